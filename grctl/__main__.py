@@ -1,0 +1,3 @@
+from grctl.cli import main
+
+main()

@@ -1,0 +1,129 @@
+"""The error family shared by the engine, the server, the client and the CLI.
+
+Each class carries the wire code, HTTP status and retryable flag of protocol.md, so the server
+maps any GrctlError to the error shape in one place and the client raises the same class back.
+"""
+
+from __future__ import annotations
+
+
+class GrctlError(Exception):
+    code = "internal_error"
+    status = 500
+    retryable = False
+
+    def __init__(self, message: str, *, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return self.message if not self.hint else f"{self.message} ({self.hint})"
+
+    def to_dict(self) -> dict:
+        return {
+            "code": self.code,
+            "message": str(self),
+            "retryable": self.retryable,
+            "status": self.status,
+        }
+
+
+class ValidationError(GrctlError):
+    code, status = "validation_error", 400
+
+
+class WeightValidationError(ValidationError):
+    """A checkpoint or tensor chunk that does not fit the served model; nothing was copied."""
+
+
+class Unauthorized(GrctlError):
+    code, status = "unauthorized", 401
+
+
+class Forbidden(GrctlError):
+    code, status = "forbidden", 403
+
+
+class RouteDisabled(GrctlError):
+    code, status = "route_disabled", 403
+
+
+class NotFound(GrctlError):
+    code, status = "not_found", 404
+
+
+class Conflict(GrctlError):
+    code, status = "conflict", 409
+
+
+class DuplicateRequestId(GrctlError):
+    code, status = "duplicate_request_id", 409
+
+
+class PayloadTooLarge(GrctlError):
+    code, status = "payload_too_large", 413
+
+
+class Overloaded(GrctlError):
+    code, status, retryable = "overloaded", 429, True
+
+
+class InternalError(GrctlError):
+    code, status = "internal_error", 500
+
+
+class Paused(GrctlError):
+    code, status, retryable = "paused", 503, True
+
+
+class WeightsInconsistent(GrctlError):
+    """A weight copy failed after it began: generation is refused until an update succeeds."""
+
+    code, status, retryable = "weights_inconsistent", 503, True
+
+
+class NotReady(GrctlError):
+    code, status, retryable = "not_ready", 503, True
+
+
+class GenerateTimeout(GrctlError):
+    code, status, retryable = "generate_timeout", 504, True
+
+
+ERRORS_BY_CODE: dict[str, type[GrctlError]] = {
+    cls.code: cls
+    for cls in (
+        ValidationError,
+        Unauthorized,
+        Forbidden,
+        RouteDisabled,
+        NotFound,
+        Conflict,
+        DuplicateRequestId,
+        PayloadTooLarge,
+        Overloaded,
+        InternalError,
+        Paused,
+        WeightsInconsistent,
+        NotReady,
+        GenerateTimeout,
+    )
+}
+
+
+def error_from_wire(body: dict, status: int) -> GrctlError:
+    """Rebuild the GrctlError a server answered with (used by the client library)."""
+    err = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(err, dict):
+        message = body.get("message") if isinstance(body, dict) else None
+        exc = GrctlError(str(message or body))
+        exc.status = status
+        return exc
+    cls = ERRORS_BY_CODE.get(str(err.get("code")), GrctlError)
+    exc = cls(str(err.get("message", "")))
+    exc.status = int(err.get("status", status))
+    exc.retryable = bool(err.get("retryable", cls.retryable))
+    if cls is GrctlError:
+        exc.code = str(err.get("code", "internal_error"))
+    return exc

@@ -1,0 +1,60 @@
+"""Tiny random Qwen3 checkpoints written by transformers itself, the independent reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+TINY = dict(
+    num_hidden_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=24,  # deliberately not hidden_size / num_heads
+    intermediate_size=96,
+    vocab_size=128,
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    max_position_embeddings=512,
+)
+
+
+def hf_config(**overrides) -> transformers.Qwen3Config:
+    kw = {**TINY, **overrides}
+    return transformers.Qwen3Config(**kw)
+
+
+def make_hf_model(seed: int = 0, **overrides) -> transformers.Qwen3ForCausalLM:
+    torch.manual_seed(seed)
+    cfg = hf_config(**overrides)
+    model = transformers.Qwen3ForCausalLM(cfg).eval()
+    # Non-trivial norms, so a mis-mapped norm weight shows up in the logits.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    return model
+
+
+def write_checkpoint(
+    path: Path,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    max_shard_size: str | None = None,
+    safe_serialization: bool = True,
+    **overrides,
+) -> Path:
+    """Write a tiny random HF Qwen3 checkpoint to `path` and return it."""
+    model = make_hf_model(seed, **overrides).to(dtype)
+    kw = {"safe_serialization": safe_serialization}
+    if max_shard_size:
+        kw["max_shard_size"] = max_shard_size
+    model.save_pretrained(path, **kw)
+    return Path(path)
+
+
+def load_hf(path: Path, dtype: torch.dtype = torch.float32) -> transformers.Qwen3ForCausalLM:
+    return transformers.Qwen3ForCausalLM.from_pretrained(path, dtype=dtype).eval()
