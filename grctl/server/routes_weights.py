@@ -1,0 +1,3 @@
+"""Weight-sync routes (protocol.md "Weight sync"). Filled in by the weight-sync work."""
+
+weight_routes: list = []
