@@ -49,11 +49,17 @@ def write_checkpoint(
 ) -> Path:
     """Write a tiny random HF Qwen3 checkpoint to `path` and return it."""
     model = make_hf_model(seed, **overrides).to(dtype)
-    kw = {"safe_serialization": safe_serialization}
-    if max_shard_size:
-        kw["max_shard_size"] = max_shard_size
+    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kw)
-    return Path(path)
+    path = Path(path)
+    if not safe_serialization:  # transformers 5 writes only safetensors: make the .bin ourselves
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        for f in path.glob("model*.safetensors*"):
+            f.unlink()
+        torch.save(state, path / "pytorch_model.bin")
+    return path
 
 
 def load_hf(path: Path, dtype: torch.dtype = torch.float32) -> transformers.Qwen3ForCausalLM:

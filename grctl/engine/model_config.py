@@ -66,8 +66,9 @@ class ModelConfig:
             num_heads = int(raw["num_attention_heads"])
             hidden = int(raw["hidden_size"])
             eos = raw.get("eos_token_id")
-            eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos])
-                            if e is not None)
+            eos_ids = tuple(
+                int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None
+            )
             rope_theta = raw.get("rope_theta")
             if rope_theta is None:  # transformers 5 nests it under rope_parameters
                 rope_theta = (raw.get("rope_parameters") or {}).get("rope_theta", 1_000_000.0)

@@ -1,0 +1,182 @@
+"""The one sink: every weight source ends here. First a plan, then in-place copies.
+
+A plan checks every name, shape and dtype (and, for a whole-model load, that every parameter
+element is covered) before anything is written, so a plan that fails changes nothing. The copy
+writes with `copy_` into the live storage: data_ptr() of every parameter never changes, which
+keeps captured CUDA graphs valid across updates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from grctl.engine.model_config import ModelConfig
+from grctl.errors import GrctlError, WeightValidationError
+from grctl.weights.mapping import resolve
+
+ACCEPTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+class WeightCopyError(GrctlError):
+    """A copy failed after it began: the live weights are now partly updated."""
+
+    code, status = "internal_error", 500
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str  # as the source names it (HF or fused)
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class Write:
+    name: str  # the source's name, used to fetch the tensor
+    param_name: str
+    dst: torch.Tensor  # a view into the live parameter (rows of a fused one, or all of it)
+    src_dtype: torch.dtype
+
+
+def live_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.data for name, p in model.named_parameters()}
+
+
+def plan(
+    model: nn.Module,
+    specs: Iterable[TensorSpec],
+    *,
+    require_full: bool,
+    allow_fused: bool = True,
+    allow_split: bool = True,
+) -> list[Write]:
+    """Validate `specs` against the live model and return the writes; raise before any write.
+
+    require_full: every element of every parameter must be written (a whole-checkpoint load).
+    allow_fused / allow_split: whether fused names (qkv_proj) or HF split names (q_proj) are taken.
+    """
+    cfg: ModelConfig = model.config
+    params = live_parameters(model)
+    writes: list[Write] = []
+    covered: dict[str, list[tuple[int, int]]] = {}
+    seen_params: set[str] = set()
+    for spec in specs:
+        target = resolve(spec.name, cfg)
+        if target is None:
+            continue
+        if target.param_name not in params:
+            raise WeightValidationError(
+                f"unknown tensor {spec.name!r}: the served model has no parameter "
+                f"{target.param_name!r}"
+            )
+        if spec.name.removeprefix("model.") == "lm_head.weight" and cfg.tie_word_embeddings:
+            # Tied: lm_head is the embedding. A checkpoint that carries both keeps the embedding.
+            if "embed_tokens.weight" in seen_params:
+                continue
+        if target.is_shard and not allow_split:
+            raise WeightValidationError(
+                f"tensor {spec.name!r} is an HF split name; load_format 'direct' takes only "
+                f"parameter names such as {target.param_name!r}"
+            )
+        is_fused_name = not target.is_shard and (
+            ".qkv_proj." in spec.name or ".gate_up_proj." in spec.name
+        )
+        if is_fused_name and not allow_fused:
+            raise WeightValidationError(
+                f"tensor {spec.name!r} is a fused parameter name; send HF names (q_proj, "
+                "k_proj, v_proj, gate_proj, up_proj) or use load_format 'direct'"
+            )
+        if spec.dtype not in ACCEPTED_DTYPES:
+            raise WeightValidationError(
+                f"tensor {spec.name!r} has dtype {spec.dtype}; expected a floating dtype "
+                f"({', '.join(str(d).removeprefix('torch.') for d in ACCEPTED_DTYPES)})"
+            )
+        param = params[target.param_name]
+        dst = param[target.row_start : target.row_end] if target.is_shard else param
+        if tuple(spec.shape) != tuple(dst.shape):
+            raise WeightValidationError(
+                f"tensor {spec.name!r} has shape {list(spec.shape)}; the served model expects "
+                f"{list(dst.shape)} for {target.param_name!r}"
+                + (f" rows {target.row_start}:{target.row_end}" if target.is_shard else "")
+            )
+        rows = (target.row_start, target.row_end) if target.is_shard else (0, param.shape[0])
+        covered.setdefault(target.param_name, []).append(rows)
+        seen_params.add(target.param_name)
+        writes.append(Write(spec.name, target.param_name, dst, spec.dtype))
+    if require_full:
+        missing = [n for n, p in params.items() if not _covers(covered.get(n, []), p.shape[0])]
+        if missing:
+            shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+            raise WeightValidationError(
+                f"checkpoint does not cover {len(missing)} parameter(s) of the served model: "
+                f"{shown}"
+            )
+    return writes
+
+
+def _covers(ranges: list[tuple[int, int]], num_rows: int) -> bool:
+    end = 0
+    for start, stop in sorted(ranges):
+        if start > end:
+            return False
+        end = max(end, stop)
+    return end >= num_rows
+
+
+def copy(writes: list[Write], fetch: Callable[[str], torch.Tensor]) -> int:
+    """Copy each planned tensor into the live model, fetching one at a time. Returns the count.
+
+    A fetched tensor whose shape no longer matches its plan (a file changed since validation)
+    raises WeightCopyError: some parameters may already hold new values, and the caller must
+    treat the model as inconsistent until a later update succeeds.
+    """
+    done = 0
+    try:
+        for w in writes:
+            src = fetch(w.name)
+            if tuple(src.shape) != tuple(w.dst.shape):
+                raise WeightValidationError(
+                    f"tensor {w.name!r} changed shape since validation: {list(src.shape)}"
+                )
+            w.dst.copy_(src)
+            done += 1
+            del src
+    except Exception as exc:
+        if done == 0 and isinstance(exc, GrctlError):
+            raise
+        raise WeightCopyError(
+            f"weight copy failed after {done} of {len(writes)} tensors at "
+            f"{writes[done].name!r}: {exc}",
+            hint="the server refuses to generate until a later update succeeds",
+        ) from exc
+    if any(w.dst.is_cuda for w in writes):
+        torch.cuda.synchronize()
+    return done
+
+
+def specs_of(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[TensorSpec]:
+    return [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in named_tensors]
+
+
+def load_tensors(
+    model: nn.Module,
+    named_tensors: list[tuple[str, torch.Tensor]],
+    *,
+    require_full: bool = False,
+    allow_fused: bool = True,
+    allow_split: bool = True,
+) -> int:
+    """Plan and copy in-memory tensors (a pushed chunk). Returns the number of tensors written."""
+    writes = plan(
+        model,
+        specs_of(named_tensors),
+        require_full=require_full,
+        allow_fused=allow_fused,
+        allow_split=allow_split,
+    )
+    by_name = dict(named_tensors)
+    return copy(writes, by_name.__getitem__)

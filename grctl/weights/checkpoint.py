@@ -1,0 +1,160 @@
+"""The checkpoint source: an HF directory read lazily, validated from headers before any copy.
+
+Layouts: model.safetensors; shards listed by model.safetensors.index.json; pytorch_model.bin
+(or its shard index) and *.pt, loaded with weights_only=True and mmap. safetensors files are
+opened with `safe_open`, which checks that each file is as long as its header's offsets say,
+so a truncated file is refused at validation, before the first byte is copied.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from grctl.engine.model_config import ModelConfig
+from grctl.errors import ValidationError, WeightValidationError
+from grctl.weights.apply import TensorSpec
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+class Checkpoint:
+    """One checkpoint directory. `specs()` reads headers only; `fetch(name)` reads one tensor."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.exists():
+            raise WeightValidationError(f"checkpoint path {str(self.path)!r} does not exist")
+        if not self.path.is_dir():
+            raise WeightValidationError(f"checkpoint path {str(self.path)!r} is not a directory")
+        try:
+            self.config = ModelConfig.from_hf(self.path / "config.json")
+        except ValidationError as exc:
+            raise WeightValidationError(exc.message) from exc
+        self.files = self._weight_files()
+        self._where: dict[str, Path] = {}
+        self._handles: dict[Path, object] = {}
+        self._torch_state: dict[Path, dict[str, torch.Tensor]] = {}
+
+    def _weight_files(self) -> list[Path]:
+        p = self.path
+        for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+            index = p / index_name
+            if index.is_file():
+                try:
+                    weight_map = json.loads(index.read_text())["weight_map"]
+                except (OSError, ValueError, KeyError, TypeError) as exc:
+                    raise WeightValidationError(f"cannot read {index}: {exc}") from exc
+                files = []
+                for shard in dict.fromkeys(weight_map.values()):
+                    shard_path = (p / str(shard)).resolve()
+                    if shard_path.parent != p.resolve():
+                        raise WeightValidationError(
+                            f"{index_name} names a shard outside the checkpoint: {shard!r}"
+                        )
+                    if not shard_path.is_file():
+                        raise WeightValidationError(f"shard {shard!r} listed in {index} is missing")
+                    files.append(shard_path)
+                return files
+        for single in ("model.safetensors", "pytorch_model.bin"):
+            if (p / single).is_file():
+                return [p / single]
+        found = sorted(p.glob("*.safetensors")) or sorted(p.glob("*.pt"))
+        if not found:
+            raise WeightValidationError(
+                f"no weights in {str(p)!r}: expected model.safetensors, shards with "
+                "model.safetensors.index.json, pytorch_model.bin or *.pt"
+            )
+        return found
+
+    def specs(self) -> list[TensorSpec]:
+        """Every tensor's name, shape and dtype, from the file headers alone."""
+        specs: list[TensorSpec] = []
+        for file in self.files:
+            if file.suffix == ".safetensors":
+                handle = self._open(file)
+                for name in handle.keys():
+                    sl = handle.get_slice(name)
+                    dtype = SAFETENSORS_DTYPES.get(sl.get_dtype())
+                    if dtype is None:
+                        raise WeightValidationError(
+                            f"tensor {name!r} in {file.name} has unsupported dtype {sl.get_dtype()}"
+                        )
+                    specs.append(TensorSpec(name, tuple(sl.get_shape()), dtype))
+                    self._where[name] = file
+            else:
+                for name, t in self._torch_file(file).items():
+                    specs.append(TensorSpec(name, tuple(t.shape), t.dtype))
+                    self._where[name] = file
+        return specs
+
+    def fetch(self, name: str) -> torch.Tensor:
+        file = self._where[name]
+        if file.suffix == ".safetensors":
+            return self._open(file).get_tensor(name)
+        return self._torch_file(file)[name]
+
+    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for spec in self.specs():
+            yield spec.name, self.fetch(spec.name)
+
+    def close(self) -> None:
+        self._handles.clear()
+        self._torch_state.clear()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _open(self, file: Path):
+        if file not in self._handles:
+            try:
+                self._handles[file] = safe_open(str(file), framework="pt")
+            except (SafetensorError, OSError) as exc:
+                raise WeightValidationError(
+                    f"unreadable safetensors file {file.name}: {exc}"
+                ) from exc
+        return self._handles[file]
+
+    @staticmethod
+    def _torch_load_plain(file: Path) -> object:
+        try:
+            return torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise WeightValidationError(f"unreadable torch file {file.name}: {exc}") from exc
+
+    def _torch_file(self, file: Path) -> dict[str, torch.Tensor]:
+        if file not in self._torch_state:
+            try:
+                state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError:  # mmap needs the zip format; legacy files load whole
+                state = self._torch_load_plain(file)
+            except Exception as exc:  # torch raises many types for a bad or hostile file
+                raise WeightValidationError(f"unreadable torch file {file.name}: {exc}") from exc
+            if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+                state = state["state_dict"]
+            if not isinstance(state, dict) or not all(
+                isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+            ):
+                raise WeightValidationError(f"{file.name} does not hold a state dict of tensors")
+            self._torch_state[file] = state
+        return self._torch_state[file]

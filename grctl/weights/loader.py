@@ -1,0 +1,128 @@
+"""Building the served model: from a checkpoint directory or the built-in default model.
+
+Start-up goes through the same source and sink as a live update (Checkpoint -> apply.plan ->
+apply.copy), streaming tensor by tensor into storage allocated once.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from grctl.engine.model_config import ModelConfig
+from grctl.engine.qwen3 import Qwen3ForCausalLM
+from grctl.errors import ValidationError, WeightValidationError
+from grctl.weights import apply
+from grctl.weights.checkpoint import Checkpoint
+
+DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+}
+
+# The built-in GR model: ids 0-255 are text and special tokens (0 pad, 1 bos, 2 eos), then three
+# semantic-ID levels of 256 codes each, so an item is three tokens <a_i><b_j><c_k>.
+NUM_TEXT_TOKENS = 256
+SID_LEVELS = 3
+SID_CODES = 256
+DEFAULT_SEED = 20261130
+DEFAULT_CONFIG = ModelConfig(
+    num_layers=4,
+    hidden_size=256,
+    num_attention_heads=4,
+    num_kv_heads=2,
+    head_dim=64,
+    intermediate_size=768,
+    vocab_size=NUM_TEXT_TOKENS + SID_LEVELS * SID_CODES,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-6,
+    rope_theta=1_000_000.0,
+    max_position_embeddings=8192,
+    eos_token_ids=(2,),
+    torch_dtype="float32",
+)
+DEFAULT_MODEL_NAME = "grctl-builtin-gr"
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValidationError(f"device {device!r} asked for, but CUDA is not available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, cfg: ModelConfig) -> torch.dtype:
+    name = (cfg.torch_dtype or "float32") if dtype == "auto" else dtype
+    if name not in DTYPES:
+        raise ValidationError(f"unsupported dtype {name!r}; use one of bfloat16, float16, float32")
+    return DTYPES[name]
+
+
+def empty_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> Qwen3ForCausalLM:
+    """Allocate the model's storage once, uninitialised: the load writes every element."""
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(cfg).to(dtype)
+    return model.to_empty(device=device).eval()
+
+
+def load_checkpoint_into(model: Qwen3ForCausalLM, ckpt: Checkpoint) -> int:
+    """Validate a whole checkpoint against the live model from headers, then stream it in."""
+    mismatches = model.config.structural_mismatches(ckpt.config)
+    if mismatches:
+        raise WeightValidationError(
+            "checkpoint structure does not match the served model: " + "; ".join(mismatches)
+        )
+    writes = apply.plan(model, ckpt.specs(), require_full=True)
+    return apply.copy(writes, ckpt.fetch)
+
+
+def load_model(
+    model_path: str | Path | None, device: str = "cpu", dtype: str = "auto"
+) -> Qwen3ForCausalLM:
+    """The model to serve: a checkpoint directory, or the built-in model when path is None."""
+    dev = resolve_device(device)
+    if model_path is None:
+        cfg = DEFAULT_CONFIG
+        model = empty_model(cfg, dev, resolve_dtype(dtype, cfg))
+        init_default_weights(model)
+        return model
+    with Checkpoint(model_path) as ckpt:
+        model = empty_model(ckpt.config, dev, resolve_dtype(dtype, ckpt.config))
+        load_checkpoint_into(model, ckpt)
+    return model
+
+
+def init_default_weights(model: Qwen3ForCausalLM, seed: int = DEFAULT_SEED) -> None:
+    """Fill the built-in model from a fixed seed: the same weights at every start."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # a fixed order
+            if name.endswith("norm.weight"):
+                values = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
+            else:
+                values = 0.05 * torch.randn(p.shape, generator=gen)
+            p.copy_(values)
+
+
+def export_hf(model: Qwen3ForCausalLM, out_dir: str | Path) -> Path:
+    """Write `model` as an HF checkpoint (config.json + model.safetensors, HF split names)."""
+    from safetensors.torch import save_file
+
+    from grctl.weights.views import hf_state_dict
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = model.config
+    dtype_name = str(next(model.parameters()).dtype).removeprefix("torch.")
+    hf_cfg = {**cfg.to_hf(), "torch_dtype": dtype_name}
+    (out / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
+    tensors = {k: v.detach().cpu().contiguous() for k, v in hf_state_dict(model).items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
