@@ -237,7 +237,7 @@ def test_copy_failure_after_start_is_reported(live):
 
 def test_builtin_model_is_fixed_and_exports(tmp_path):
     a, b = load_model(None), load_model(None)
-    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
         assert torch.equal(p, q), n
     from grctl.weights.loader import export_hf
 
