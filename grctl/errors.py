@@ -69,6 +69,12 @@ class Overloaded(GrctlError):
     code, status, retryable = "overloaded", 429, True
 
 
+class CacheBusy(GrctlError):
+    """/flush_cache while requests hold KV: SGLang answers 400 there, and slime retries."""
+
+    code, status, retryable = "cache_busy", 400, True
+
+
 class InternalError(GrctlError):
     code, status = "internal_error", 500
 
@@ -103,6 +109,7 @@ ERRORS_BY_CODE: dict[str, type[GrctlError]] = {
         DuplicateRequestId,
         PayloadTooLarge,
         Overloaded,
+        CacheBusy,
         InternalError,
         Paused,
         WeightsInconsistent,

@@ -1,0 +1,87 @@
+"""create_app(engine, config): the Litestar app; its lifespan starts and stops the engine.
+
+app.state holds what handlers share:
+  engine        the Engine (started on start-up, drained and stopped on shutdown)
+  config        the ServeConfig
+  model_path    what /server_info and /model_info report (a disk update changes it)
+  tokenizer     the checkpoint's tokenizer, or None (then `text` in a body is a 400)
+  metrics       the Metrics registry /metrics renders
+  waiters       the thread limiter for engine calls that wait (generate, result, flush)
+  weights_info  optional, kept by the weight routes: what /status reports under "weights"
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import Any
+
+import anyio
+from anyio import to_thread
+from litestar import Litestar
+from litestar.datastructures import State
+from litestar.openapi import OpenAPIConfig
+
+import grctl
+from grctl.config import ServeConfig
+from grctl.server.auth import api_key_guard
+from grctl.server.exceptions import EXCEPTION_HANDLERS
+from grctl.server.limits import BodyLimitMiddleware
+from grctl.server.metrics import Metrics, MetricsMiddleware
+from grctl.server.routes_generate import generate_routes
+from grctl.server.routes_info import info_routes
+from grctl.server.routes_weights import weight_routes
+from grctl.server.wire import load_tokenizer
+from grctl.weights.loader import DEFAULT_MODEL_NAME
+
+log = logging.getLogger("grctl.server")
+
+DRAIN_TIMEOUT_S = 30.0
+
+
+@asynccontextmanager
+async def engine_lifespan(app: Litestar) -> AsyncIterator[None]:
+    engine = app.state.engine
+    await to_thread.run_sync(engine.start)
+    try:
+        yield
+    finally:
+        # uvicorn has already let open requests finish; drain what is still queued, then stop.
+        log.info("stopping: draining %d requests", engine.num_in_flight())
+        await to_thread.run_sync(partial(engine.stop, drain=True, timeout=DRAIN_TIMEOUT_S))
+
+
+def create_app(engine: Any, config: ServeConfig, tokenizer: Any | None = None) -> Litestar:
+    """The grctl HTTP app over an engine that is not started yet; the lifespan starts it."""
+    metrics = Metrics()
+    if tokenizer is None:
+        tokenizer = load_tokenizer(config.model_path)
+    state = State(
+        {
+            "engine": engine,
+            "config": config,
+            "model_path": config.model_path or DEFAULT_MODEL_NAME,
+            "tokenizer": tokenizer,
+            "metrics": metrics,
+            # One thread per waiting call; enough that every queued request can be awaited.
+            "waiters": anyio.CapacityLimiter(
+                config.max_running_requests + config.max_waiting_requests + 8
+            ),
+        }
+    )
+    return Litestar(
+        route_handlers=[*generate_routes, *info_routes, *weight_routes],
+        lifespan=[engine_lifespan],
+        state=state,
+        guards=[api_key_guard],
+        middleware=[
+            MetricsMiddleware(metrics, config.log_requests),
+            BodyLimitMiddleware(config.max_http_request_bytes),
+        ],
+        exception_handlers=EXCEPTION_HANDLERS,
+        request_max_body_size=None,  # BodyLimitMiddleware is the one place the limit lives
+        openapi_config=OpenAPIConfig(title="grctl", version=grctl.__version__),
+        debug=False,
+    )

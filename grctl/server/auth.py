@@ -1,0 +1,37 @@
+"""The API-key guard: `X-GR-API-Key: <key>` or `Authorization: Bearer <key>`.
+
+Off without --api-key. Handlers with `opt={"auth_exempt": True}` (/health, /ready) skip it.
+A missing key is 401 unauthorized (with WWW-Authenticate), a wrong one 403 forbidden.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from litestar.connection import ASGIConnection
+from litestar.handlers.base import BaseRouteHandler
+
+from grctl.errors import Forbidden, Unauthorized
+
+
+def presented_key(connection: ASGIConnection) -> str | None:
+    # An Authorization header wins; without the "Bearer " prefix its whole value is the key.
+    auth = connection.headers.get("authorization")
+    if auth is not None:
+        scheme, _, token = auth.partition(" ")
+        return token.strip() if scheme.lower() == "bearer" else auth.strip()
+    return connection.headers.get("x-gr-api-key")
+
+
+def api_key_guard(connection: ASGIConnection, route_handler: BaseRouteHandler) -> None:
+    expected: str | None = connection.app.state.config.api_key
+    if expected is None or route_handler.opt.get("auth_exempt"):
+        return
+    key = presented_key(connection)
+    if not key:
+        raise Unauthorized(
+            "this server needs an API key",
+            hint="send X-GR-API-Key: <key> or Authorization: Bearer <key>",
+        )
+    if not hmac.compare_digest(key.encode(), expected.encode()):
+        raise Forbidden("wrong API key")

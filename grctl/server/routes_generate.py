@@ -1,0 +1,158 @@
+"""Generation routes: /generate, /submit, /submit_many, /poll, /result, /cancel, /abort_request.
+
+Engine calls that wait (generate, result) run in a worker thread, so the event loop never blocks.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from anyio import to_thread
+from litestar import get, post
+from litestar.datastructures import State
+from litestar.params import Parameter
+from litestar.status_codes import HTTP_202_ACCEPTED
+
+from grctl.engine.request import GenerateRequest, GenerateResult
+from grctl.errors import DuplicateRequestId, GenerateTimeout, NotFound, PayloadTooLarge
+from grctl.errors import ValidationError as BadRequest
+from grctl.server.schemas import (
+    AbortRequestBody,
+    AbortRequestResponse,
+    CancelBody,
+    CancelResponse,
+    GenerateBody,
+    GenerateResponse,
+    PollResponse,
+    SubmitManyBody,
+    SubmitManyResponse,
+    SubmitResponse,
+    error_responses,
+)
+from grctl.server.wire import to_request, to_response
+
+
+async def wait_result(state: State, request_id: str, timeout: float) -> GenerateResult:
+    fn = partial(state.engine.result, request_id, timeout=timeout)
+    result = await to_thread.run_sync(fn, limiter=state.waiters, abandon_on_cancel=True)
+    state.metrics.observe_result(result)
+    return result
+
+
+async def run_to_end(state: State, req: GenerateRequest) -> GenerateResult:
+    """Submit and wait up to --generate-timeout-s; a request that overruns is cancelled."""
+    state.engine.submit(req)
+    try:
+        return await wait_result(state, req.request_id, state.config.generate_timeout_s)
+    except GenerateTimeout:
+        state.engine.cancel(req.request_id)
+        raise
+
+
+@post(
+    "/generate",
+    status_code=200,
+    summary="Generate (SGLang-compatible); n > 1 is beam search",
+    responses=error_responses(400, 409, 413, 429, 503, 504),
+)
+async def generate(state: State, data: GenerateBody | None = None) -> GenerateResponse:
+    req = to_request(data or GenerateBody(), state.tokenizer)
+    return to_response(await run_to_end(state, req), state.tokenizer)
+
+
+@post(
+    "/submit",
+    status_code=HTTP_202_ACCEPTED,
+    summary="Queue one request; poll for it",
+    responses=error_responses(400, 409, 413, 429, 503),
+)
+async def submit(state: State, data: GenerateBody | None = None) -> SubmitResponse:
+    req = to_request(data or GenerateBody(), state.tokenizer)
+    return SubmitResponse(request_id=state.engine.submit(req))
+
+
+@post(
+    "/submit_many",
+    status_code=HTTP_202_ACCEPTED,
+    summary="Queue a batch, all or none",
+    responses=error_responses(400, 409, 413, 429, 503),
+)
+async def submit_many(state: State, data: SubmitManyBody | None = None) -> SubmitManyResponse:
+    bodies = data.requests if data else []
+    limit = state.config.max_http_submit_many
+    if len(bodies) > limit:
+        raise PayloadTooLarge(
+            f"submit_many takes at most {limit} requests, got {len(bodies)}",
+            hint="split the batch, or raise --max-http-submit-many",
+        )
+    reqs = [to_request(b, state.tokenizer) for b in bodies]
+    ids = [r.request_id for r in reqs]
+    if len(set(ids)) != len(ids):
+        raise DuplicateRequestId("the batch repeats a request id; nothing was queued")
+    queued: list[str] = []
+    try:
+        for req in reqs:
+            queued.append(state.engine.submit(req))
+    except Exception:
+        for request_id in queued:  # all or none: take back what the engine already holds
+            state.engine.cancel(request_id)
+        raise
+    return SubmitManyResponse(request_ids=queued)
+
+
+@get(
+    "/poll/{request_id:str}",
+    summary="Whether a request has finished, and its reply if so",
+    responses=error_responses(404),
+)
+async def poll(state: State, request_id: str) -> PollResponse:
+    result = state.engine.poll(request_id)
+    if result is None:
+        return PollResponse(ready=False)
+    state.metrics.observe_result(result)
+    return PollResponse(ready=True, response=to_response(result, state.tokenizer))
+
+
+@get(
+    "/result/{request_id:str}",
+    summary="Wait for a request's reply (504 after `timeout`)",
+    responses=error_responses(404, 504),
+)
+async def result(
+    state: State,
+    request_id: str,
+    timeout: float | None = Parameter(default=None, ge=0, description="seconds to wait"),
+) -> GenerateResponse:
+    wait = state.config.generate_timeout_s if timeout is None else timeout
+    return to_response(await wait_result(state, request_id, wait), state.tokenizer)
+
+
+@post(
+    "/cancel",
+    status_code=200,
+    summary="Cancel one request by request_id",
+    responses=error_responses(400, 404),
+)
+async def cancel(state: State, data: CancelBody | None = None) -> CancelResponse:
+    request_id = data and (data.request_id or data.rid)
+    if not request_id:
+        raise BadRequest("request_id is required")
+    return CancelResponse(request_id=request_id, cancelled=state.engine.cancel(request_id))
+
+
+@post("/abort_request", status_code=200, summary="Abort one request (rid) or all (abort_all)")
+async def abort_request(state: State, data: AbortRequestBody | None = None) -> AbortRequestResponse:
+    body = data or AbortRequestBody()
+    if body.abort_all:
+        num = state.engine.abort_all()
+    elif body.rid:
+        try:  # SGLang semantics: a request that already ended is not an error
+            num = int(state.engine.cancel(body.rid))
+        except NotFound:
+            num = 0
+    else:
+        num = 0
+    return AbortRequestResponse(success=True, num_aborted_requests=num)
+
+
+generate_routes = [generate, submit, submit_many, poll, result, cancel, abort_request]

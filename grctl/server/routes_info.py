@@ -1,0 +1,175 @@
+"""Health, readiness, status, metrics, discovery and /flush_cache (always on)."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+from anyio import to_thread
+from litestar import Response, get, post
+from litestar.datastructures import State
+from litestar.enums import MediaType
+from litestar.params import Parameter
+
+import grctl
+from grctl.engine.request import GenerateRequest, SamplingParams
+from grctl.errors import CacheBusy, GrctlError, NotReady
+from grctl.server.metrics import numeric_gauges
+from grctl.server.schemas import (
+    FlushCacheBody,
+    FlushCacheResponse,
+    HealthResponse,
+    LoadsResponse,
+    ModelInfo,
+    ReadyResponse,
+    ServerInfo,
+)
+from grctl.server.wire import new_request_id
+
+EXEMPT = {"auth_exempt": True}
+HEALTH_GENERATE_TIMEOUT_S = 30.0
+
+
+def weights_info(state: State) -> dict[str, Any]:
+    """What /status reports under "weights"; the weight routes keep app.state.weights_info."""
+    default = {
+        "weight_version": state.engine.weight_version,
+        "token_step": None,
+        "weight_update_count": 0,
+        "last_weight_update_ms": None,
+    }
+    return {**default, **(state.get("weights_info") or {})}
+
+
+@get("/health", opt=EXEMPT, summary="Liveness: the HTTP server answers")
+async def health() -> HealthResponse:
+    return HealthResponse(ok=True)
+
+
+@get("/ready", opt=EXEMPT, summary="Readiness: 200 when the engine takes requests, else 503")
+async def ready(state: State) -> Response[ReadyResponse]:
+    engine = state.engine
+    reasons = engine.ready_reasons()
+    body = ReadyResponse(
+        ready=not reasons,
+        reasons=reasons,
+        paused=engine.is_paused,
+        weight_version=engine.weight_version,
+        num_in_flight=engine.num_in_flight(),
+    )
+    return Response(body, status_code=503 if reasons else 200)
+
+
+@get("/status", summary="Scheduler, prefill cache, engine and weights state")
+async def status(state: State) -> dict[str, Any]:
+    return {**state.engine.status(), "weights": weights_info(state)}
+
+
+@get("/metrics", media_type=MediaType.TEXT, summary="Prometheus text format")
+async def metrics(state: State) -> str:
+    engine = state.engine
+    gauges = numeric_gauges("gr", {**engine.status(), "weights": weights_info(state)})
+    gauges["gr_ready"] = float(not engine.ready_reasons())
+    gauges["gr_paused"] = float(engine.is_paused)
+    gauges["gr_in_flight_requests"] = float(engine.num_in_flight())
+    return state.metrics.render(gauges)
+
+
+@get("/v1/loads", summary="Request counts, as SGLang reports them to slime's abort loop")
+async def loads(state: State) -> LoadsResponse:
+    scheduler = state.engine.status().get("scheduler", {})
+    waiting = int(scheduler.get("num_waiting", 0))
+    total = state.engine.num_in_flight()
+    return LoadsResponse(num_reqs=total, num_waiting_reqs=waiting, num_running_reqs=total - waiting)
+
+
+@get(["/server_info", "/get_server_info"], summary="Server arguments slime reads at start")
+async def server_info(state: State) -> ServerInfo:
+    cfg, model = state.config, state.engine.model
+    param = next(model.parameters())
+    return ServerInfo(
+        model_path=state.model_path,
+        weight_version=state.engine.weight_version,
+        device=str(param.device),
+        dtype=str(param.dtype).removeprefix("torch."),
+        served_model_name=state.model_path,
+        context_length=cfg.max_context_len,
+        max_running_requests=cfg.max_running_requests,
+        max_waiting_requests=cfg.max_waiting_requests,
+        max_beam_width=cfg.max_beam_width,
+        max_new_tokens=cfg.max_new_tokens,
+        enable_prefill_cache=cfg.enable_prefill_cache,
+        allow_weight_update=cfg.allow_weight_update,
+        version=grctl.__version__,
+    )
+
+
+@get(["/model_info", "/get_model_info"], summary="The served model and its weight version")
+async def model_info(state: State) -> ModelInfo:
+    return ModelInfo(
+        model_path=state.model_path,
+        weight_version=state.engine.weight_version,
+        tokenizer_path=state.model_path if state.tokenizer is not None else None,
+        vocab_size=state.engine.model.config.vocab_size,
+    )
+
+
+@get("/health_generate", summary="Runs a one-token generate: 200, or 503 when it cannot")
+async def health_generate(state: State) -> HealthResponse:
+    req = GenerateRequest(
+        input_ids=(0,),
+        sampling=SamplingParams(max_new_tokens=1, ignore_eos=True),
+        request_id=f"health_generate-{new_request_id()}",
+    )
+    fn = partial(state.engine.generate, req, timeout=HEALTH_GENERATE_TIMEOUT_S)
+    try:
+        await to_thread.run_sync(fn, limiter=state.waiters, abandon_on_cancel=True)
+    except GrctlError as exc:
+        state.engine.cancel(req.request_id)
+        raise NotReady(f"health generate failed: {exc}") from exc
+    return HealthResponse(ok=True)
+
+
+async def flush(state: State, timeout: float | None) -> Response[FlushCacheResponse]:
+    fn = partial(state.engine.flush_cache, timeout=timeout or 0.0)
+    ok, cleared = await to_thread.run_sync(fn, limiter=state.waiters)
+    if ok:
+        return Response(FlushCacheResponse(success=True, entries_cleared=cleared))
+    busy = CacheBusy(
+        "cannot flush the cache while requests hold KV or are being computed",
+        hint="pause generation first (POST /pause_generation), or pass a timeout to wait",
+    )
+    body = FlushCacheResponse(success=False, message=str(busy), error=busy.to_dict())
+    return Response(body, status_code=400)
+
+
+TimeoutQuery = Parameter(default=None, ge=0, description="seconds to wait for an idle engine")
+
+
+@get("/flush_cache", summary="Clear the prefill cache (SGLang-style 400 while busy)")
+async def flush_cache_get(
+    state: State, timeout: float | None = TimeoutQuery
+) -> Response[FlushCacheResponse]:
+    return await flush(state, timeout)
+
+
+@post("/flush_cache", summary="Clear the prefill cache; `timeout` from the query or the body")
+async def flush_cache_post(
+    state: State, data: FlushCacheBody | None = None, timeout: float | None = TimeoutQuery
+) -> Response[FlushCacheResponse]:
+    body_timeout = data.timeout if data else None
+    return await flush(state, timeout if timeout is not None else body_timeout)
+
+
+info_routes = [
+    health,
+    ready,
+    status,
+    metrics,
+    loads,
+    server_info,
+    model_info,
+    health_generate,
+    flush_cache_get,
+    flush_cache_post,
+]

@@ -1,0 +1,146 @@
+"""Between the wire and the engine: request bodies -> GenerateRequest, GenerateResult -> replies."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from pathlib import Path
+from typing import Any
+
+from grctl.engine.request import GenerateRequest, GenerateResult, SamplingParams
+from grctl.errors import ValidationError
+from grctl.server.schemas import (
+    BeamMetaInfo,
+    BeamOut,
+    FinishReason,
+    GenerateBody,
+    GenerateResponse,
+    MetaInfo,
+    SamplingParamsBody,
+)
+
+log = logging.getLogger("grctl.server")
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(model_path: str | None) -> Any | None:
+    """The checkpoint's tokenizer, or None when its directory holds none (ids-only serving)."""
+    if model_path is None or not any((Path(model_path) / f).is_file() for f in TOKENIZER_FILES):
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(model_path)
+    except Exception as exc:  # a broken tokenizer must not stop ids-only serving
+        log.warning("no tokenizer: cannot load one from %s: %s", model_path, exc)
+        return None
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def prompt_ids(body: GenerateBody, tokenizer: Any | None) -> list[int]:
+    if body.input_ids is not None and body.text is not None:
+        raise ValidationError("send either input_ids or text, not both")
+    if body.text is not None:
+        if tokenizer is None:
+            raise ValidationError(
+                "text needs a tokenizer in the model directory",
+                hint="send input_ids, or serve a --model-path that holds tokenizer files",
+            )
+        return list(tokenizer.encode(body.text))
+    ids = body.input_ids
+    if ids is None:
+        raise ValidationError("input_ids is required")
+    if all(isinstance(t, int) for t in ids):
+        rows = [ids]
+    elif all(isinstance(t, list) for t in ids):
+        rows = ids
+    else:
+        raise ValidationError("input_ids must be [S] or [[S]]: a flat list or one row")
+    if len(rows) != 1:
+        raise ValidationError(
+            f"input_ids holds {len(rows)} rows; one request takes one prompt",
+            hint="use /submit_many for a batch",
+        )
+    if not rows[0]:
+        raise ValidationError("input_ids is empty")
+    return list(rows[0])
+
+
+def to_request(body: GenerateBody, tokenizer: Any | None = None) -> GenerateRequest:
+    """Validate a /generate or /submit body; the request always carries an id."""
+    if body.stream:
+        raise ValidationError("stream is not supported; send stream=false and read the reply")
+    sp = body.sampling_params or SamplingParamsBody()
+    sampling = SamplingParams(
+        max_new_tokens=sp.max_new_tokens,
+        n=sp.n,
+        temperature=sp.temperature,
+        top_p=sp.top_p,
+        top_k=sp.top_k,
+        seed=sp.seed,
+        stop_token_ids=tuple(sp.stop_token_ids or ()),
+        ignore_eos=sp.ignore_eos,
+    )
+    return GenerateRequest(
+        input_ids=tuple(prompt_ids(body, tokenizer)),
+        sampling=sampling,
+        return_logprob=body.return_logprob,
+        request_id=body.rid or body.request_id or new_request_id(),
+    )
+
+
+def finish_reason(kind: str, output_ids: list[int], matched: int | None) -> FinishReason:
+    if kind == "stop":
+        return FinishReason(type="stop", matched=matched)
+    if kind == "length":
+        return FinishReason(type="length", length=len(output_ids))
+    return FinishReason(type=kind)
+
+
+def ids_text(output_ids: list[int], tokenizer: Any | None) -> str:
+    if tokenizer is None:
+        return " ".join(map(str, output_ids))
+    return tokenizer.decode(output_ids)
+
+
+def to_response(result: GenerateResult, tokenizer: Any | None = None) -> GenerateResponse:
+    beams = [
+        BeamOut(
+            output_ids=b.output_ids,
+            meta_info=BeamMetaInfo(
+                sequence_score=b.sequence_score,
+                finish_reason=finish_reason(
+                    b.finish_reason,
+                    b.output_ids,
+                    b.output_ids[-1] if b.finish_reason == "stop" and b.output_ids else None,
+                ),
+            ),
+        )
+        for b in result.beams
+    ]
+    logprobs = None
+    if result.output_token_logprobs is not None:
+        logprobs = [
+            (float(lp), int(t), None)
+            for lp, t in zip(result.output_token_logprobs, result.output_ids, strict=False)
+        ]
+    meta = MetaInfo(
+        id=result.request_id,
+        prompt_tokens=result.prompt_tokens,
+        completion_tokens=result.completion_tokens,
+        cached_tokens=result.cached_tokens,
+        finish_reason=finish_reason(result.finish_reason, result.output_ids, result.matched_stop),
+        weight_version=result.weight_version,
+        weight_versions=list(result.weight_versions),
+        beam_width=max(1, len(result.beams)),
+        beam_results=beams,
+        e2e_latency=result.latency_s,
+        output_token_logprobs=logprobs,
+    )
+    return GenerateResponse(
+        text=ids_text(result.output_ids, tokenizer), output_ids=result.output_ids, meta_info=meta
+    )

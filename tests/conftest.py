@@ -1,0 +1,25 @@
+"""Shared fixtures: tiny checkpoints, and GPU tests skipped without CUDA."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.checkpoints import write_checkpoint
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random HF Qwen3 checkpoint (float32, no tokenizer), written once per session."""
+    return write_checkpoint(tmp_path_factory.mktemp("tiny-qwen3"), seed=0)
