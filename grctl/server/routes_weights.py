@@ -1,3 +1,218 @@
-"""Weight-sync routes (protocol.md "Weight sync"). Filled in by the weight-sync work."""
+"""Weight-sync routes (protocol.md "Weight sync"), off unless --allow-weight-update.
 
-weight_routes: list = []
+Handlers stay thin: parse a Struct, call the engine or the WeightUpdater (app.state.updater) in a
+worker thread, return a Struct. The update routes carry opt sglang_errors=True, so their errors
+also hold top-level `success: false` and `message`, which SGLang-style clients read.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+from pathlib import Path
+
+import msgspec
+from anyio import to_thread
+from litestar import Request, get, post, route
+from litestar.connection import ASGIConnection
+from litestar.datastructures import State
+from litestar.handlers.base import BaseRouteHandler
+
+from grctl.errors import Forbidden, RouteDisabled, ValidationError
+from grctl.server.schemas_weights import (
+    ContinueResponse,
+    GetWeightsBody,
+    GetWeightsResponse,
+    PauseBody,
+    PauseResponse,
+    TensorChecksum,
+    UpdateFromDiskBody,
+    UpdateWeightsResponse,
+    UpdateWeightVersionBody,
+    UpdateWeightVersionResponse,
+    WeightsCheckerBody,
+    WeightsCheckerResponse,
+    WeightVersionResponse,
+    version_str,
+)
+from grctl.weights import checker, disk
+from grctl.weights.views import hf_view
+
+UPDATE_OPT = {"sglang_errors": True}
+
+
+def weight_update_guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+    if not connection.app.state.config.allow_weight_update:
+        raise RouteDisabled(
+            f"{connection.url.path} is disabled",
+            hint="start the server with --allow-weight-update (or GR_ALLOW_WEIGHT_UPDATE=1)",
+        )
+
+
+async def in_thread(state: State, fn, *args, **kwargs):
+    return await to_thread.run_sync(partial(fn, *args, **kwargs), limiter=state.waiters)
+
+
+@post("/pause_generation", status_code=200, summary="Pause: abort | retract | in_place")
+async def pause_generation(state: State, data: PauseBody | None = None) -> PauseResponse:
+    mode = (data or PauseBody()).mode
+    num = await in_thread(state, state.engine.pause, mode)
+    return PauseResponse(paused=True, mode=mode, num_aborted_requests=num)
+
+
+@post("/continue_generation", status_code=200, summary="Resume generation after a pause")
+async def continue_generation(state: State) -> ContinueResponse:
+    state.engine.resume()
+    return ContinueResponse(paused=False)
+
+
+@get("/get_weight_version", summary="The served weight version, step and update count")
+async def get_weight_version(state: State) -> WeightVersionResponse:
+    info = state.updater.info
+    return WeightVersionResponse(
+        weight_version=info.weight_version,
+        token_step=info.token_step,
+        weight_update_count=info.weight_update_count,
+    )
+
+
+@post("/update_weight_version", status_code=200, summary="Relabel the live weights")
+async def update_weight_version(
+    state: State, data: UpdateWeightVersionBody | None = None
+) -> UpdateWeightVersionResponse:
+    body = data or UpdateWeightVersionBody()
+    new_version = version_str(body.new_version)
+    if new_version is None:
+        raise ValidationError("new_version is required")
+    await in_thread(state, state.updater.set_version, new_version, body.abort_all_requests)
+    return UpdateWeightVersionResponse(
+        success=True, new_version=new_version, message=f"Weight version updated to {new_version}"
+    )
+
+
+async def merged_params(request: Request) -> dict:
+    """Query parameters overlaid by a JSON body (SGLang's tests send GET with a JSON body)."""
+    params: dict = dict(request.query_params)
+    raw = await request.body()
+    if raw.strip():
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ValidationError(f"body is not valid JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise ValidationError("body must be a JSON object")
+        params.update(body)
+    return params
+
+
+@route("/get_weights_by_name", http_method=["GET", "POST"], summary="Read a parameter back")
+async def get_weights_by_name(state: State, request: Request) -> GetWeightsResponse:
+    try:
+        body = msgspec.convert(await merged_params(request), GetWeightsBody, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ValidationError(f"bad get_weights_by_name body: {exc}") from exc
+    if not body.name:
+        raise ValidationError("name is required")
+    view = hf_view(state.engine.model, body.name)
+    values = view[: body.truncate_size].detach().float().cpu().tolist()
+    return GetWeightsResponse(parameter=values)
+
+
+@post("/weights_checker", status_code=200, summary="snapshot | reset_tensors | compare | checksum")
+async def weights_checker(
+    state: State, data: WeightsCheckerBody | None = None
+) -> WeightsCheckerResponse:
+    action = (data or WeightsCheckerBody()).action
+    model, wc = state.engine.model, state.weights_checker
+    if action == "checksum":
+        sums = await in_thread(state, checker.checksums, model)
+        return WeightsCheckerResponse(
+            success=True,
+            weight_version=state.updater.info.weight_version,
+            algorithm=checker.ALGORITHM,
+            tensors={k: TensorChecksum(**v) for k, v in sums.items()},
+        )
+    if action == "snapshot":
+        n = await in_thread(state, wc.snapshot, model)
+        return WeightsCheckerResponse(success=True, message=f"snapshot of {n} parameters")
+    if action == "reset_tensors":
+        n = await in_thread(state, state.updater.reset_tensors)
+        return WeightsCheckerResponse(success=True, message=f"reset {n} parameters")
+    if action == "compare":
+        bad = await in_thread(state, wc.compare, model)
+        if bad:
+            raise ValidationError(
+                f"{len(bad)} parameter(s) differ from the snapshot: " + ", ".join(bad[:16])
+            )
+        return WeightsCheckerResponse(success=True, message="all parameters equal the snapshot")
+    raise ValidationError(
+        f"unknown action {action!r}; use snapshot, reset_tensors, compare or checksum"
+    )
+
+
+def checked_model_path(state: State, body: UpdateFromDiskBody) -> str:
+    path = body.model_path or body.model_dir
+    if not path:
+        raise ValidationError("model_path is required (alias model_dir)")
+    root = state.config.weights_root
+    if root is not None:
+        resolved, allowed = Path(path).resolve(), Path(root).resolve()
+        if resolved != allowed and allowed not in resolved.parents:
+            raise Forbidden(
+                f"model_path {path!r} resolves outside the weights root",
+                hint=f"updates from disk may only read under {str(allowed)!r} (--weights-root)",
+            )
+    return path
+
+
+@post(
+    "/update_weights_from_disk",
+    status_code=200,
+    opt=UPDATE_OPT,
+    summary="Load an HF checkpoint from disk into the live model, in place",
+)
+async def update_weights_from_disk(
+    state: State, data: UpdateFromDiskBody | None = None
+) -> UpdateWeightsResponse:
+    body = data or UpdateFromDiskBody()
+    path = checked_model_path(state, body)
+    if body.load_format not in (None, "auto", "safetensors", "pt"):
+        raise ValidationError(
+            f"load_format {body.load_format!r} is not supported from disk; omit it or use auto"
+        )
+    outcome = await in_thread(
+        state,
+        disk.update_from_disk,
+        state.updater,
+        path,
+        weight_version=version_str(body.weight_version),
+        token_step=body.token_step,
+        flush_cache=body.flush_cache,
+        abort_all_requests=body.abort_all_requests,
+    )
+    state.model_path = path
+    info = state.updater.info
+    return UpdateWeightsResponse(
+        success=True,
+        message="Succeeded to update model weights from disk.",
+        model_dir=path,
+        tensors_loaded=outcome.tensors_loaded,
+        flushed_cache=outcome.flushed_cache,
+        num_aborted_requests=outcome.num_aborted_requests,
+        weight_version=info.weight_version,
+        token_step=info.token_step,
+        elapsed_ms=outcome.elapsed_ms,
+    )
+
+
+weight_routes = [
+    pause_generation,
+    continue_generation,
+    get_weight_version,
+    update_weight_version,
+    get_weights_by_name,
+    weights_checker,
+    update_weights_from_disk,
+]
+for _handler in weight_routes:
+    _handler.guards = [*(_handler.guards or []), weight_update_guard]

@@ -17,6 +17,7 @@ from safetensors import SafetensorError, safe_open
 
 from grctl.engine.model_config import ModelConfig
 from grctl.errors import ValidationError, WeightValidationError
+from grctl.weights import apply
 from grctl.weights.apply import TensorSpec
 
 SAFETENSORS_DTYPES = {
@@ -158,3 +159,14 @@ class Checkpoint:
                 raise WeightValidationError(f"{file.name} does not hold a state dict of tensors")
             self._torch_state[file] = state
         return self._torch_state[file]
+
+
+def plan_checkpoint(model: torch.nn.Module, ckpt: Checkpoint) -> list[apply.Write]:
+    """Validate a whole checkpoint against the live model from its headers alone: structure,
+    then every tensor's name, shape and dtype, and full coverage. Nothing is read or written."""
+    mismatches = model.config.structural_mismatches(ckpt.config)
+    if mismatches:
+        raise WeightValidationError(
+            "checkpoint structure does not match the served model: " + "; ".join(mismatches)
+        )
+    return apply.plan(model, ckpt.specs(), require_full=True)

@@ -13,9 +13,9 @@ import torch
 
 from grctl.engine.model_config import ModelConfig
 from grctl.engine.qwen3 import Qwen3ForCausalLM
-from grctl.errors import ValidationError, WeightValidationError
+from grctl.errors import ValidationError
 from grctl.weights import apply
-from grctl.weights.checkpoint import Checkpoint
+from grctl.weights.checkpoint import Checkpoint, plan_checkpoint
 
 DTYPES = {
     "float32": torch.float32,
@@ -74,13 +74,7 @@ def empty_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> Q
 
 def load_checkpoint_into(model: Qwen3ForCausalLM, ckpt: Checkpoint) -> int:
     """Validate a whole checkpoint against the live model from headers, then stream it in."""
-    mismatches = model.config.structural_mismatches(ckpt.config)
-    if mismatches:
-        raise WeightValidationError(
-            "checkpoint structure does not match the served model: " + "; ".join(mismatches)
-        )
-    writes = apply.plan(model, ckpt.specs(), require_full=True)
-    return apply.copy(writes, ckpt.fetch)
+    return apply.copy(plan_checkpoint(model, ckpt), ckpt.fetch)
 
 
 def load_model(
