@@ -34,8 +34,11 @@ def rope_cos_sin(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin for `positions` (any shape) -> [..., head_dim], in float32."""
     inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.int64)
-                  .float() / head_dim)
+        theta
+        ** (
+            torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.int64).float()
+            / head_dim
+        )
     )
     freqs = positions.float()[..., None] * inv_freq  # [..., head_dim/2]
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -71,6 +74,19 @@ class Qwen3Attention(nn.Module):
         k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim)))
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def project_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """q alone, for rows whose k and v are not needed: [..., hidden] -> [..., H, D]."""
+        q = F.linear(x, self.qkv_proj.weight[: self.q_size])
+        return apply_rope(self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim))), cos, sin)
+
+    def project_kv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """k and v alone, for rows whose q is not needed: [..., hidden] -> [..., KV, D] each."""
+        k, v = F.linear(x, self.qkv_proj.weight[self.q_size :]).split(self.kv_size, dim=-1)
+        k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim)))
+        return apply_rope(k, cos, sin), v.unflatten(-1, (self.num_kv_heads, self.head_dim))
 
     def forward(
         self,
@@ -118,6 +134,18 @@ class Qwen3DecoderLayer(nn.Module):
         self.mlp = Qwen3MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    # The engine runs a layer in two dense halves around its own attention (and on CUDA captures
+    # each half in a graph): [rows, hidden] in, q [rows, H, D] and k, v [rows, KV, D] out ...
+    def pre_attention(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.self_attn.project(self.input_layernorm(h), cos, sin)
+
+    # ... and the attention output [rows, H * D] back into the residual stream [rows, hidden].
+    def post_attention(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn.o_proj(attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class Qwen3ForCausalLM(nn.Module):

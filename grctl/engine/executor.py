@@ -1,0 +1,91 @@
+"""Executor: runs one scheduled step on the model, and moves each request's beams forward.
+
+Prefill goes through the prefill cache (an exact prompt under the same weight version skips the
+model), then the first token(s) come from the prefill's log-probabilities. Decode runs every
+running request's beams in one batch, advances each request's beams and reorders its beam KV.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from grctl.engine.beam import Beams
+from grctl.engine.kv_cache import BeamKV, ContextKV
+from grctl.engine.model_runner import DecodeItem, ModelRunner
+from grctl.engine.prefill_cache import Entry, PrefillCache
+from grctl.engine.sampler import Sampler
+from grctl.engine.sequence import Sequence
+
+
+class Executor:
+    def __init__(self, runner: ModelRunner, cache: PrefillCache):
+        self.runner = runner
+        self.cache = cache
+        self.device = runner.device
+        self.num_prefill_batches = 0
+        self.num_prefill_tokens = 0  # computed, cache hits excluded
+        self.num_decode_steps = 0
+        self.num_decode_rows = 0
+
+    def run(self, prefill: list[Sequence], decode: list[Sequence], version: str) -> None:
+        if prefill:
+            self._prefill(prefill, version)
+        decode = decode + [s for s in prefill if not s.is_done]
+        if decode:
+            self._decode(decode, version)
+
+    def _prefill(self, seqs: list[Sequence], version: str) -> None:
+        misses = []
+        for seq in seqs:
+            entry = self.cache.get(seq.req.input_ids, version)
+            if entry is None:
+                misses.append(seq)
+            else:
+                seq.cached_tokens = entry.num_tokens
+                self._start(seq, entry.ctx, entry.logprobs, version)
+        if not misses:
+            return
+        ctxs, logprobs = self.runner.prefill([s.prompt for s in misses])
+        self.num_prefill_batches += 1
+        self.num_prefill_tokens += sum(s.num_prompt_tokens for s in misses)
+        for seq, ctx, lp in zip(misses, ctxs, logprobs, strict=True):
+            self.cache.put(seq.req.input_ids, Entry(version, ctx, lp))
+            self._start(seq, ctx, lp, version)
+
+    def _start(self, seq: Sequence, ctx: ContextKV, logprobs: torch.Tensor, version: str) -> None:
+        sp = seq.req.sampling
+        sampler = Sampler(sp, self.device) if sp.n == 1 else None
+        seq.beams = Beams(sp.n, sp.max_new_tokens, seq.stop_ids, self.device, sampler)
+        seq.beams.start(logprobs)
+        seq.record_version(version)
+        if seq.beams.is_done:
+            return
+        cfg = self.runner.config
+        seq.ctx = ctx
+        seq.beam_kv = BeamKV(
+            cfg.num_layers,
+            sp.n,
+            cfg.num_kv_heads,
+            sp.max_new_tokens - 1,
+            cfg.head_dim,
+            self.runner.dtype,
+            self.device,
+        )
+
+    def _decode(self, seqs: list[Sequence], version: str) -> None:
+        items = [
+            DecodeItem(s.ctx, s.beam_kv, s.beams.next_input(), s.beams.num_steps - 1) for s in seqs
+        ]
+        logprobs = self.runner.decode(items)  # [rows, vocab]
+        self.num_decode_steps += 1
+        self.num_decode_rows += logprobs.shape[0]
+        row = 0
+        for seq, item in zip(seqs, items, strict=True):
+            n = seq.num_beams
+            parents = seq.beams.advance(logprobs[row : row + n])
+            row += n
+            seq.record_version(version)
+            if seq.beams.is_done:
+                seq.release_kv()
+            elif n > 1:
+                seq.beam_kv.reorder(parents, item.step + 1)

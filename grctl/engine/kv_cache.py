@@ -1,0 +1,73 @@
+"""KV storage for the GR workload: one shared context per request, a short private tail per beam.
+
+A request's prompt is prefilled once; its KV (`ContextKV`) is read by every beam and never
+written again, so it is also what the prefill cache keeps. Each beam owns only the KV of the
+tokens it decoded (`BeamKV`), a few steps long; reordering beams gathers that small tail only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ContextKV:
+    """Per layer k and v of a prompt, each [num_kv_heads, context_len, head_dim], read-only."""
+
+    k: tuple[torch.Tensor, ...]
+    v: tuple[torch.Tensor, ...]
+
+    @property
+    def length(self) -> int:
+        return self.k[0].shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
+
+class BeamKV:
+    """KV of decoded tokens for `num_beams` beams: [layers, 2, beams, kv_heads, steps, head_dim].
+
+    Step s holds the KV of output token s (the token fed at decode step s). The last output
+    token is never fed, so `max_steps` is max_new_tokens - 1.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_beams: int,
+        num_kv_heads: int,
+        max_steps: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        shape = (num_layers, 2, num_beams, num_kv_heads, max(max_steps, 1), head_dim)
+        self.data = torch.empty(shape, dtype=dtype, device=device)
+
+    @property
+    def num_beams(self) -> int:
+        return self.data.shape[2]
+
+    def write(self, layer: int, step: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [beams, kv_heads, head_dim] of the token fed at `step`."""
+        self.data[layer, 0, :, :, step] = k
+        self.data[layer, 1, :, :, step] = v
+
+    def keys(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v of the first `length` steps: [beams, kv_heads, length, head_dim] (views)."""
+        return self.data[layer, 0, :, :, :length], self.data[layer, 1, :, :, :length]
+
+    def reorder(self, parents: torch.Tensor, length: int) -> None:
+        """Beam i takes the first `length` steps of beam parents[i]: the small tail only."""
+        if length == 0:
+            return
+        tail = self.data[:, :, :, :, :length]
+        tail.copy_(tail.index_select(2, parents))
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()

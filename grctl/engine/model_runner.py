@@ -1,0 +1,126 @@
+"""ModelRunner: the engine's two forward passes over our Qwen3, tensors only.
+
+Prefill packs the prompts of a batch into one token stream, so every projection and MLP matmul
+runs once over all of them; attention runs per prompt. Only the last token's logits are needed,
+so the last layer computes k and v for every token but q, attention and the MLP for the last
+token alone. Decode runs one token for every beam of every request in one batch of rows; attention
+loops over requests (each reading its shared context once for all of its beams).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from grctl.engine.attention import decode_attention, prefill_attention
+from grctl.engine.kv_cache import BeamKV, ContextKV
+from grctl.engine.qwen3 import Qwen3ForCausalLM, rope_cos_sin
+
+
+@dataclass
+class DecodeItem:
+    """One request's share of a decode batch: feed `input_ids` [n] at beam KV slot `step`."""
+
+    ctx: ContextKV
+    beam_kv: BeamKV
+    input_ids: torch.Tensor
+    step: int
+
+
+class ModelRunner:
+    def __init__(self, model: Qwen3ForCausalLM, device: torch.device):
+        self.model = model
+        self.device = device
+        self.config = model.config
+        self.dtype = model.embed_tokens.weight.dtype
+        self.graphs = None  # a DecodeGraphs when decode runs through CUDA graphs
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+        return cos.to(self.dtype), sin.to(self.dtype)
+
+    @torch.inference_mode()
+    def prefill(self, prompts: list[torch.Tensor]) -> tuple[list[ContextKV], torch.Tensor]:
+        """prompts: 1-D token tensors. Returns each prompt's ContextKV and last-token
+        log-probabilities [len(prompts), vocab] in float32."""
+        model, dev = self.model, self.device
+        lens = [int(p.numel()) for p in prompts]
+        ends = torch.tensor(lens).cumsum(0).tolist()
+        bounds = [(e - n, e) for e, n in zip(ends, lens, strict=True)]
+        ids = torch.cat(prompts).to(dev, non_blocking=True)
+        positions = torch.cat([torch.arange(n) for n in lens]).to(dev, non_blocking=True)
+        last = torch.tensor([e - 1 for _, e in bounds], device=dev)
+        cos, sin = self._rope(positions)
+        ks: list[list[torch.Tensor]] = [[] for _ in prompts]
+        vs: list[list[torch.Tensor]] = [[] for _ in prompts]
+        h = model.embed_tokens(ids)  # [tokens, hidden]
+        for layer in model.layers[:-1]:
+            q, k, v = layer.pre_attention(h, cos, sin)  # [tokens, H or KV, D]
+            outs = []
+            for r, (s, e) in enumerate(bounds):
+                kr, vr = k[s:e].transpose(0, 1).contiguous(), v[s:e].transpose(0, 1).contiguous()
+                ks[r].append(kr)
+                vs[r].append(vr)
+                outs.append(prefill_attention(q[s:e], kr, vr, causal=True))
+            h = layer.post_attention(h, torch.cat(outs))
+        layer = model.layers[-1]
+        x = layer.input_layernorm(h)
+        k, v = layer.self_attn.project_kv(x, cos, sin)
+        q = layer.self_attn.project_q(x[last], cos[last], sin[last])  # [prompts, H, D]
+        outs = []
+        for r, (s, e) in enumerate(bounds):
+            kr, vr = k[s:e].transpose(0, 1).contiguous(), v[s:e].transpose(0, 1).contiguous()
+            ks[r].append(kr)
+            vs[r].append(vr)
+            outs.append(prefill_attention(q[r : r + 1], kr, vr, causal=False))
+        h = layer.post_attention(h[last], torch.cat(outs))
+        logprobs = torch.log_softmax(model.logits(h), dim=-1)
+        ctxs = [ContextKV(tuple(kr), tuple(vr)) for kr, vr in zip(ks, vs, strict=True)]
+        return ctxs, logprobs
+
+    @torch.inference_mode()
+    def decode(self, items: list[DecodeItem]) -> torch.Tensor:
+        """One token per beam of every item; writes each beam's KV at its `step`.
+
+        Returns log-probabilities [total beams, vocab] in float32, items in order."""
+        ids = torch.cat([it.input_ids for it in items]).to(self.device, non_blocking=True)
+        positions = torch.cat(
+            [torch.full((it.beam_kv.num_beams,), it.ctx.length + it.step) for it in items]
+        ).to(self.device, non_blocking=True)
+        if self.graphs is not None and self.graphs.fits(ids.shape[0]):
+            return self.graphs.run(
+                ids, positions, lambda i, q, k, v, out: self.attend(i, items, q, k, v, out)
+            )
+        cos, sin = self._rope(positions)
+        h = self.model.embed_tokens(ids)  # [beams, hidden]
+        for i, layer in enumerate(self.model.layers):
+            q, k, v = layer.pre_attention(h, cos, sin)
+            h = layer.post_attention(h, self.attend(i, items, q, k, v))
+        return torch.log_softmax(self.model.logits(h), dim=-1)
+
+    def attend(
+        self,
+        layer: int,
+        items: list[DecodeItem],
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of layer `layer` for all rows: q [rows, H, D], k and v [rows, KV, D].
+
+        Writes into `out` [>= rows, H * D] when given (a CUDA graph's static buffer)."""
+        outs = []
+        row = 0
+        for it in items:
+            n = it.beam_kv.num_beams
+            it.beam_kv.write(layer, it.step, k[row : row + n], v[row : row + n])
+            bk, bv = it.beam_kv.keys(layer, it.step + 1)
+            o = decode_attention(q[row : row + n], it.ctx.k[layer], it.ctx.v[layer], bk, bv)
+            if out is not None:
+                out[row : row + n] = o
+            else:
+                outs.append(o)
+            row += n
+        return out if out is not None else torch.cat(outs)

@@ -1,0 +1,87 @@
+"""Sequence: one request's state inside the engine, from submit to result."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from grctl.engine.beam import Beams
+from grctl.engine.kv_cache import BeamKV, ContextKV
+from grctl.engine.request import GenerateRequest, GenerateResult
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, request_id: str, req: GenerateRequest, stop_ids: tuple[int, ...]):
+        self.request_id = request_id
+        self.req = req
+        self.prompt = torch.tensor(req.input_ids, dtype=torch.int64)
+        self.stop_ids = stop_ids
+        self.arrival = time.monotonic()
+        self.status = Status.WAITING
+        self.abort_requested = False  # set while its step computes; the worker ends it after
+        self.weight_versions: list[str] = []
+        self._reset()
+
+    def _reset(self) -> None:
+        self.beams: Beams | None = None
+        self.ctx: ContextKV | None = None
+        self.beam_kv: BeamKV | None = None
+        self.cached_tokens = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.req.input_ids)
+
+    @property
+    def num_beams(self) -> int:
+        return self.req.sampling.n
+
+    @property
+    def holds_kv(self) -> bool:
+        return self.ctx is not None
+
+    @property
+    def is_done(self) -> bool:
+        return self.beams is not None and self.beams.is_done
+
+    def record_version(self, version: str) -> None:
+        if not self.weight_versions or self.weight_versions[-1] != version:
+            self.weight_versions.append(version)
+
+    def retract(self) -> None:
+        """Drop the KV and outputs: the request restarts from its prompt when admitted again."""
+        self._reset()
+        self.weight_versions = []
+        self.status = Status.WAITING
+
+    def release_kv(self) -> None:
+        self.ctx = None
+        self.beam_kv = None
+
+    def to_result(self, weight_version: str, aborted: bool = False) -> GenerateResult:
+        beams, logprobs = self.beams.results(aborted) if self.beams else ([], [])
+        top = beams[0] if beams else None
+        reason = "abort" if aborted or top is None else top.finish_reason
+        matched = top.output_ids[-1] if top is not None and top.finish_reason == "stop" else None
+        versions = list(self.weight_versions)
+        return GenerateResult(
+            request_id=self.request_id,
+            prompt_tokens=self.num_prompt_tokens,
+            output_ids=list(top.output_ids) if top else [],
+            finish_reason=reason,
+            matched_stop=matched,
+            beams=beams,
+            weight_version=versions[-1] if versions else weight_version,
+            weight_versions=versions,
+            output_token_logprobs=logprobs if self.req.return_logprob else None,
+            cached_tokens=self.cached_tokens,
+            latency_s=time.monotonic() - self.arrival,
+        )
