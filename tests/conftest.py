@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
 from tests.checkpoints import write_checkpoint
+from tests.serverproc import ServerProc, running_server
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -23,3 +26,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random HF Qwen3 checkpoint (float32, no tokenizer), written once per session."""
     return write_checkpoint(tmp_path_factory.mktemp("tiny-qwen3"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def builtin_server() -> Iterator[ServerProc]:
+    """One server on the built-in model for the whole session, weight routes on (for pauses)."""
+    with running_server("--allow-weight-update", "--max-http-submit-many", "4") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def http(builtin_server: ServerProc) -> Iterator[httpx.Client]:
+    with builtin_server.client() as client:
+        yield client

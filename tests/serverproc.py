@@ -101,3 +101,13 @@ def running_server(
         yield srv
     finally:
         stop(srv, stop_timeout)
+
+
+def assert_error(resp: httpx.Response, status: int, code: str) -> dict:
+    """The reply is protocol.md's error shape with this status and code; returns the error."""
+    assert resp.status_code == status, (resp.status_code, resp.text)
+    err = resp.json()["error"]
+    assert err["code"] == code, err
+    assert err["status"] == status and isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["retryable"], bool)
+    return err

@@ -77,18 +77,20 @@ class Metrics:
             hist.observe(value)
 
     def observe_result(self, result: GenerateResult) -> None:
-        self.inc("gr_generate_requests_total", finish_reason=result.finish_reason)
-        self.inc("gr_generate_prompt_tokens_total", result.prompt_tokens)
-        self.inc("gr_generate_completion_tokens_total", result.completion_tokens)
-        self.inc("gr_generate_cached_tokens_total", result.cached_tokens)
+        """A result handed out over HTTP (/generate, /result): its end and engine latency."""
+        self.inc("gr_generate_results_total", finish_reason=result.finish_reason)
         self.observe("gr_generate_latency_seconds", result.latency_s)
 
-    def render(self, gauges: dict[str, float]) -> str:
+    def render(self, gauges: dict[str, float], counters: dict[str, float]) -> str:
+        """This registry's series, then the engine's counters and gauges read at scrape time."""
         lines: list[str] = []
         with self.lock:
             for name, series in sorted(self.counters.items()):
                 lines.append(f"# TYPE {name} counter")
                 lines += [f"{name}{fmt_labels(k)} {v}" for k, v in sorted(series.items())]
+        for name, value in sorted(counters.items()):
+            lines += [f"# TYPE {name} counter", f"{name} {value}"]
+        with self.lock:
             for name, series in sorted(self.histograms.items()):
                 lines.append(f"# TYPE {name} histogram")
                 for k, hist in sorted(series.items()):

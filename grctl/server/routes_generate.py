@@ -1,6 +1,7 @@
 """Generation routes: /generate, /submit, /submit_many, /poll, /result, /cancel, /abort_request.
 
-Engine calls that wait (generate, result) run in a worker thread, so the event loop never blocks.
+Engine calls that wait (generate, result) run in a worker thread; the others only take the
+engine's lock briefly (it is never held during a model step), so they run on the event loop.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from litestar.params import Parameter
 from litestar.status_codes import HTTP_202_ACCEPTED
 
 from grctl.engine.request import GenerateRequest, GenerateResult
-from grctl.errors import DuplicateRequestId, GenerateTimeout, NotFound, PayloadTooLarge
+from grctl.errors import DuplicateRequestId, PayloadTooLarge
 from grctl.errors import ValidationError as BadRequest
 from grctl.server.schemas import (
     AbortRequestBody,
@@ -32,21 +33,18 @@ from grctl.server.schemas import (
 from grctl.server.wire import to_request, to_response
 
 
-async def wait_result(state: State, request_id: str, timeout: float) -> GenerateResult:
-    fn = partial(state.engine.result, request_id, timeout=timeout)
-    result = await to_thread.run_sync(fn, limiter=state.waiters, abandon_on_cancel=True)
-    state.metrics.observe_result(result)
-    return result
+async def in_thread(state: State, fn, *args, **kwargs):
+    """Run an engine call that waits in a worker thread, so the event loop never blocks."""
+    call = partial(fn, *args, **kwargs)
+    return await to_thread.run_sync(call, limiter=state.waiters, abandon_on_cancel=True)
 
 
 async def run_to_end(state: State, req: GenerateRequest) -> GenerateResult:
-    """Submit and wait up to --generate-timeout-s; a request that overruns is cancelled."""
-    state.engine.submit(req)
-    try:
-        return await wait_result(state, req.request_id, state.config.generate_timeout_s)
-    except GenerateTimeout:
-        state.engine.cancel(req.request_id)
-        raise
+    """Submit and wait up to --generate-timeout-s; the engine cancels a request that overruns."""
+    timeout = state.config.generate_timeout_s
+    result = await in_thread(state, state.engine.generate, req, timeout=timeout)
+    state.metrics.observe_result(result)
+    return result
 
 
 @post(
@@ -109,7 +107,6 @@ async def poll(state: State, request_id: str) -> PollResponse:
     result = state.engine.poll(request_id)
     if result is None:
         return PollResponse(ready=False)
-    state.metrics.observe_result(result)
     return PollResponse(ready=True, response=to_response(result, state.tokenizer))
 
 
@@ -124,7 +121,9 @@ async def result(
     timeout: float | None = Parameter(default=None, ge=0, description="seconds to wait"),
 ) -> GenerateResponse:
     wait = state.config.generate_timeout_s if timeout is None else timeout
-    return to_response(await wait_result(state, request_id, wait), state.tokenizer)
+    res = await in_thread(state, state.engine.result, request_id, timeout=wait)
+    state.metrics.observe_result(res)
+    return to_response(res, state.tokenizer)
 
 
 @post(
@@ -137,7 +136,10 @@ async def cancel(state: State, data: CancelBody | None = None) -> CancelResponse
     request_id = data and (data.request_id or data.rid)
     if not request_id:
         raise BadRequest("request_id is required")
-    return CancelResponse(request_id=request_id, cancelled=state.engine.cancel(request_id))
+    cancelled = state.engine.cancel(request_id)
+    if not cancelled:
+        state.engine.poll(request_id)  # NotFound (404) unless it finished and awaits fetching
+    return CancelResponse(request_id=request_id, cancelled=cancelled)
 
 
 @post("/abort_request", status_code=200, summary="Abort one request (rid) or all (abort_all)")
@@ -145,11 +147,8 @@ async def abort_request(state: State, data: AbortRequestBody | None = None) -> A
     body = data or AbortRequestBody()
     if body.abort_all:
         num = state.engine.abort_all()
-    elif body.rid:
-        try:  # SGLang semantics: a request that already ended is not an error
-            num = int(state.engine.cancel(body.rid))
-        except NotFound:
-            num = 0
+    elif body.rid:  # SGLang semantics: an unknown or finished rid is not an error
+        num = int(state.engine.cancel(body.rid))
     else:
         num = 0
     return AbortRequestResponse(success=True, num_aborted_requests=num)

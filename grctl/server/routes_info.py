@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
-from anyio import to_thread
 from litestar import Response, get, post
 from litestar.datastructures import State
 from litestar.enums import MediaType
@@ -15,6 +13,7 @@ import grctl
 from grctl.engine.request import GenerateRequest, SamplingParams
 from grctl.errors import CacheBusy, GrctlError, NotReady
 from grctl.server.metrics import numeric_gauges
+from grctl.server.routes_generate import in_thread
 from grctl.server.schemas import (
     FlushCacheBody,
     FlushCacheResponse,
@@ -68,19 +67,26 @@ async def status(state: State) -> dict[str, Any]:
 @get("/metrics", media_type=MediaType.TEXT, summary="Prometheus text format")
 async def metrics(state: State) -> str:
     engine = state.engine
-    gauges = numeric_gauges("gr", {**engine.status(), "weights": weights_info(state)})
+    status = engine.status()
+    # The engine's cumulative request counts are counters; every other number is a gauge.
+    counters = {
+        f"{k}_total": v
+        for k, v in numeric_gauges("gr_requests", status.pop("requests", {})).items()
+    }
+    gauges = numeric_gauges("gr", {**status, "weights": weights_info(state)})
     gauges["gr_ready"] = float(not engine.ready_reasons())
-    gauges["gr_paused"] = float(engine.is_paused)
     gauges["gr_in_flight_requests"] = float(engine.num_in_flight())
-    return state.metrics.render(gauges)
+    return state.metrics.render(gauges, counters)
 
 
 @get("/v1/loads", summary="Request counts, as SGLang reports them to slime's abort loop")
 async def loads(state: State) -> LoadsResponse:
-    scheduler = state.engine.status().get("scheduler", {})
-    waiting = int(scheduler.get("num_waiting", 0))
-    total = state.engine.num_in_flight()
-    return LoadsResponse(num_reqs=total, num_waiting_reqs=waiting, num_running_reqs=total - waiting)
+    scheduler = state.engine.status()["scheduler"]
+    return LoadsResponse(
+        num_reqs=state.engine.num_in_flight(),
+        num_waiting_reqs=scheduler["num_waiting"],
+        num_running_reqs=scheduler["num_running"],
+    )
 
 
 @get(["/server_info", "/get_server_info"], summary="Server arguments slime reads at start")
@@ -121,20 +127,17 @@ async def health_generate(state: State) -> HealthResponse:
         sampling=SamplingParams(max_new_tokens=1, ignore_eos=True),
         request_id=f"health_generate-{new_request_id()}",
     )
-    fn = partial(state.engine.generate, req, timeout=HEALTH_GENERATE_TIMEOUT_S)
     try:
-        await to_thread.run_sync(fn, limiter=state.waiters, abandon_on_cancel=True)
+        await in_thread(state, state.engine.generate, req, timeout=HEALTH_GENERATE_TIMEOUT_S)
     except GrctlError as exc:
-        state.engine.cancel(req.request_id)
         raise NotReady(f"health generate failed: {exc}") from exc
     return HealthResponse(ok=True)
 
 
 async def flush(state: State, timeout: float | None) -> Response[FlushCacheResponse]:
-    fn = partial(state.engine.flush_cache, timeout=timeout or 0.0)
-    ok, cleared = await to_thread.run_sync(fn, limiter=state.waiters)
+    ok, cleared = await in_thread(state, state.engine.flush_cache, timeout=timeout or 0.0)
     if ok:
-        return Response(FlushCacheResponse(success=True, entries_cleared=cleared))
+        return Response(FlushCacheResponse(success=True, entries_cleared=cleared), status_code=200)
     busy = CacheBusy(
         "cannot flush the cache while requests hold KV or are being computed",
         hint="pause generation first (POST /pause_generation), or pass a timeout to wait",
@@ -153,7 +156,11 @@ async def flush_cache_get(
     return await flush(state, timeout)
 
 
-@post("/flush_cache", summary="Clear the prefill cache; `timeout` from the query or the body")
+@post(
+    "/flush_cache",
+    status_code=200,
+    summary="Clear the prefill cache; `timeout` from the query or the body",
+)
 async def flush_cache_post(
     state: State, data: FlushCacheBody | None = None, timeout: float | None = TimeoutQuery
 ) -> Response[FlushCacheResponse]:

@@ -12,13 +12,12 @@ import msgspec
 from litestar.openapi.datastructures import ResponseSpec
 from msgspec import Meta, Struct
 
-NonNegInt = Annotated[int, Meta(ge=0)]
 PosInt = Annotated[int, Meta(ge=1)]
 TokenId = Annotated[int, Meta(ge=0)]
 
 
 class SamplingParamsBody(Struct, kw_only=True):
-    max_new_tokens: NonNegInt = 1
+    max_new_tokens: PosInt = 1
     n: PosInt = 1  # n > 1: beam search of width n
     temperature: Annotated[float, Meta(ge=0.0)] = 0.0
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
