@@ -30,6 +30,7 @@ from grctl.server.auth import api_key_guard
 from grctl.server.exceptions import EXCEPTION_HANDLERS
 from grctl.server.limits import BodyLimitMiddleware
 from grctl.server.metrics import Metrics, MetricsMiddleware
+from grctl.server.routes_distributed import distributed_routes
 from grctl.server.routes_generate import generate_routes
 from grctl.server.routes_info import info_routes
 from grctl.server.routes_weights import weight_routes
@@ -72,7 +73,7 @@ def create_app(engine: Any, config: ServeConfig, tokenizer: Any | None = None) -
         }
     )
     return Litestar(
-        route_handlers=[*generate_routes, *info_routes, *weight_routes],
+        route_handlers=[*generate_routes, *info_routes, *weight_routes, *distributed_routes],
         lifespan=[engine_lifespan],
         state=state,
         guards=[api_key_guard],
