@@ -160,8 +160,14 @@ def test_submit_many(http):
     # More than --max-http-submit-many (4), one bad row, or a repeated id: nothing is queued.
     many = [{"input_ids": [1], "request_id": f"many-{i}"} for i in range(5)]
     assert_error(http.post("/submit_many", json={"requests": many}), 413, "payload_too_large")
-    bad = [{"input_ids": [1], "request_id": "ok-row"}, {"input_ids": [-5]}]
-    assert_error(http.post("/submit_many", json={"requests": bad}), 400, "validation_error")
+    for bad_row in ({"input_ids": [-5]}, {"input_ids": [10**6]}, {"input_ids": [1], "text": "x"}):
+        bad = [{"input_ids": [1], "request_id": "ok-row"}, bad_row]
+        assert_error(http.post("/submit_many", json={"requests": bad}), 400, "validation_error")
+    # A row whose id is already taken fails at submit: the rows before it are taken back.
+    assert http.post("/submit", json={"input_ids": [1], "request_id": "taken"}).status_code == 202
+    clash = [{"input_ids": [1], "request_id": "ok-row"}, {"input_ids": [1], "request_id": "taken"}]
+    assert_error(http.post("/submit_many", json={"requests": clash}), 409, "duplicate_request_id")
+    http.get("/result/taken")
     dup = [{"input_ids": [1], "request_id": "same"}] * 2
     assert_error(http.post("/submit_many", json={"requests": dup}), 409, "duplicate_request_id")
     for rid in ("many-0", "ok-row", "same"):

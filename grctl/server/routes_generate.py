@@ -6,7 +6,9 @@ engine's lock briefly (it is never held during a model step), so they run on the
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
+from typing import Any
 
 from anyio import to_thread
 from litestar import get, post
@@ -15,7 +17,8 @@ from litestar.params import Parameter
 from litestar.status_codes import HTTP_202_ACCEPTED
 
 from grctl.engine.request import GenerateRequest, GenerateResult
-from grctl.errors import DuplicateRequestId, PayloadTooLarge
+from grctl.engine.validation import validate_request
+from grctl.errors import DuplicateRequestId, GrctlError, PayloadTooLarge
 from grctl.errors import ValidationError as BadRequest
 from grctl.server.schemas import (
     AbortRequestBody,
@@ -83,19 +86,36 @@ async def submit_many(state: State, data: SubmitManyBody | None = None) -> Submi
             f"submit_many takes at most {limit} requests, got {len(bodies)}",
             hint="split the batch, or raise --max-http-submit-many",
         )
+    engine, cfg = state.engine, state.engine.config
     reqs = [to_request(b, state.tokenizer) for b in bodies]
+    for req in reqs:  # every row passes the engine's own checks before any is queued
+        validate_request(
+            req,
+            engine.model.config,
+            max_context_len=cfg.max_context_len,
+            max_beam_width=cfg.max_beam_width,
+            max_new_tokens_limit=cfg.max_new_tokens_limit,
+        )
     ids = [r.request_id for r in reqs]
     if len(set(ids)) != len(ids):
         raise DuplicateRequestId("the batch repeats a request id; nothing was queued")
     queued: list[str] = []
     try:
         for req in reqs:
-            queued.append(state.engine.submit(req))
-    except Exception:
-        for request_id in queued:  # all or none: take back what the engine already holds
-            state.engine.cancel(request_id)
+            queued.append(engine.submit(req))
+    except Exception:  # paused, overloaded or a taken id part-way: take the batch back
+        await in_thread(state, discard, engine, queued)
         raise
     return SubmitManyResponse(request_ids=queued)
+
+
+def discard(engine: Any, request_ids: list[str]) -> None:
+    """Cancel requests and drop their results, as if they had never been submitted."""
+    for request_id in request_ids:
+        engine.cancel(request_id)
+    for request_id in request_ids:
+        with contextlib.suppress(GrctlError):
+            engine.result(request_id, timeout=5.0)
 
 
 @get(
