@@ -148,3 +148,7 @@ def main() -> None:
             err_console.print_exception()
         err_console.print(f"[red]error:[/red] {exc}", highlight=False)
         sys.exit(1)
+
+
+from grctl.cli_client import register  # noqa: E402, I001  (push, pause, flush, status, ...)
+register(app)

@@ -1,0 +1,59 @@
+"""The grctl client library: what a trainer imports to drive grctl (or SGLang) servers.
+
+    from grctl.client import GRClient, WeightSync
+
+    with GRClient("http://127.0.0.1:8000") as gr:
+        print(gr.generate([1, 2, 3], max_new_tokens=4).output_ids)
+
+    with WeightSync(["http://a:8000", "http://b:8000"], verify=True) as sync:
+        result = sync.run("/ckpt/step_7", weight_version=7)
+
+GRClient / AsyncGRClient: one typed method per route of protocol.md. WeightSync: pause ->
+flush -> push (tensor buckets or a disk path) -> continue -> verify, on one server or a fleet.
+"""
+
+from grctl.client.http import DEFAULT_URL, AsyncGRClient, ClientTimeout, ConnectionFailed, GRClient
+from grctl.client.outcome import Progress, ServerOutcome, SyncError, SyncResult
+from grctl.client.routes import request_body
+from grctl.client.types import (
+    CheckerResult,
+    GenerateResult,
+    ServerInfo,
+    Status,
+    UpdateResult,
+    WeightVersion,
+)
+
+_LAZY = {"WeightSync": "grctl.client.sync", "CheckpointDigests": "grctl.client.verify"}
+
+
+def __getattr__(name: str):
+    # WeightSync and CheckpointDigests need torch: import it only when they are asked for, so a
+    # plain HTTP client (and `grctl pause`) starts quickly.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'grctl.client' has no attribute {name!r}")
+
+
+__all__ = [
+    "DEFAULT_URL",
+    "AsyncGRClient",
+    "CheckerResult",
+    "CheckpointDigests",
+    "ClientTimeout",
+    "ConnectionFailed",
+    "GRClient",
+    "GenerateResult",
+    "Progress",
+    "ServerInfo",
+    "ServerOutcome",
+    "Status",
+    "SyncError",
+    "SyncResult",
+    "UpdateResult",
+    "WeightSync",
+    "WeightVersion",
+    "request_body",
+]

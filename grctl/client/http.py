@@ -1,0 +1,198 @@
+"""GRClient and AsyncGRClient: the routes of protocol.md over httpx.
+
+    with GRClient("http://127.0.0.1:8000", api_key="k") as gr:
+        gr.pause_generation()
+        gr.flush_cache_until_ok()
+        gr.update_weights_from_disk("/ckpt/step_7", weight_version=7)
+        gr.continue_generation()
+
+Every call has a timeout (control calls 30 s, generate 330 s, weight updates 600 s by default);
+nothing waits forever. A server error comes back as the GrctlError subclass of its code
+(`grctl.errors`); a server that cannot be reached is ConnectionFailed, one that does not answer
+in time ClientTimeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import httpx
+import msgspec
+
+from grctl.client import types as t
+from grctl.client.routes import Call, Routes, text
+from grctl.errors import CacheBusy, GrctlError, error_from_wire
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+class ConnectionFailed(GrctlError):
+    """The server could not be reached (refused, reset, DNS): no reply at all."""
+
+    code, status, retryable = "connection_error", 0, True
+
+
+class ClientTimeout(GrctlError):
+    """The server did not answer within the client's timeout."""
+
+    code, status, retryable = "client_timeout", 0, True
+
+
+def auth_headers(api_key: str | None, bearer: bool) -> dict[str, str]:
+    if not api_key:
+        return {}
+    return {"Authorization": f"Bearer {api_key}"} if bearer else {"X-GR-API-Key": api_key}
+
+
+def read_reply(url: str, resp: httpx.Response, call: Call) -> Any:
+    """The reply's result, or the server's error raised as its GrctlError subclass."""
+    status = resp.status_code
+    is_error = status >= 400 and status not in call.ok_statuses
+    if status < 400 and call.decode is text:
+        return resp.text
+    try:
+        body = resp.json()
+    except ValueError:
+        body = {"message": resp.text.strip() or f"HTTP {status} {resp.reason_phrase}"}
+        is_error = True
+    if is_error or (isinstance(body, dict) and body.get("success") is False):
+        raise error_from_wire(body, status)
+    try:
+        return call.decode(body)
+    except msgspec.ValidationError as exc:
+        raise GrctlError(f"unexpected reply from {url}{call.path}: {exc}") from exc
+
+
+def is_flush_retryable(exc: GrctlError) -> bool:
+    # slime retries any non-200; a refused connection means no server, so that one is final.
+    return isinstance(exc, (CacheBusy, ClientTimeout)) or exc.status in (400, 503)
+
+
+def flush_gave_up(url: str, retries: int, last: GrctlError | None) -> CacheBusy:
+    return CacheBusy(
+        f"{url}: /flush_cache did not succeed after {retries} tries; last reply: {last}",
+        hint="pause generation first, or raise --retries / --interval",
+    )
+
+
+class _Base(Routes):
+    def __init__(
+        self,
+        url: str = DEFAULT_URL,
+        *,
+        api_key: str | None = None,
+        bearer: bool = False,
+        timeout: float = 30.0,
+        generate_timeout: float = 330.0,
+        update_timeout: float = 600.0,
+    ):
+        self.url = url.rstrip("/")
+        self.timeouts = {"control": timeout, "generate": generate_timeout, "update": update_timeout}
+        self._kw = dict(
+            base_url=self.url,
+            headers=auth_headers(api_key, bearer),
+            timeout=timeout,
+            trust_env=False,  # talk to the fleet directly, never through an HTTP proxy
+        )
+
+    def _timeout(self, call: Call) -> float:
+        return self.timeouts[call.kind] + call.extra_timeout
+
+    def _transport_error(self, call: Call, exc: httpx.HTTPError) -> GrctlError:
+        where = f"{call.method} {self.url}{call.path}"
+        if isinstance(exc, httpx.TimeoutException):
+            return ClientTimeout(f"{where}: no reply within {self._timeout(call):g} s")
+        return ConnectionFailed(
+            f"{where}: cannot reach the server ({type(exc).__name__}: {exc})",
+            hint="is `grctl serve` running at that address?",
+        )
+
+
+class GRClient(_Base):
+    """Blocking client: one method per route, each returning its typed result."""
+
+    def __init__(self, url: str = DEFAULT_URL, **kw: Any):
+        super().__init__(url, **kw)
+        self._http = httpx.Client(**self._kw)
+
+    def _call(self, call: Call) -> Any:
+        try:
+            resp = self._http.request(
+                call.method,
+                call.path,
+                json=call.json,
+                params=call.params,
+                timeout=self._timeout(call),
+            )
+        except httpx.HTTPError as exc:
+            raise self._transport_error(call, exc) from exc
+        return read_reply(self.url, resp, call)
+
+    def flush_cache_until_ok(self, retries: int = 60, interval: float = 1.0) -> t.FlushResult:
+        """slime's loop: GET /flush_cache until it answers 200, `retries` tries `interval` s
+        apart. Raises CacheBusy naming the last reply when every try failed."""
+        last: GrctlError | None = None
+        for attempt in range(max(1, retries)):
+            try:
+                return self.flush_cache()
+            except GrctlError as exc:
+                if not is_flush_retryable(exc):
+                    raise
+                last = exc
+            if attempt + 1 < retries:
+                time.sleep(interval)
+        raise flush_gave_up(self.url, retries, last)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> GRClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncGRClient(_Base):
+    """asyncio client: the same methods as GRClient, each returning an awaitable."""
+
+    def __init__(self, url: str = DEFAULT_URL, **kw: Any):
+        super().__init__(url, **kw)
+        self._http = httpx.AsyncClient(**self._kw)
+
+    async def _call(self, call: Call) -> Any:
+        try:
+            resp = await self._http.request(
+                call.method,
+                call.path,
+                json=call.json,
+                params=call.params,
+                timeout=self._timeout(call),
+            )
+        except httpx.HTTPError as exc:
+            raise self._transport_error(call, exc) from exc
+        return read_reply(self.url, resp, call)
+
+    async def flush_cache_until_ok(self, retries: int = 60, interval: float = 1.0) -> t.FlushResult:
+        last: GrctlError | None = None
+        for attempt in range(max(1, retries)):
+            try:
+                return await self.flush_cache()
+            except GrctlError as exc:
+                if not is_flush_retryable(exc):
+                    raise
+                last = exc
+            if attempt + 1 < retries:
+                await asyncio.sleep(interval)
+        raise flush_gave_up(self.url, retries, last)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncGRClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

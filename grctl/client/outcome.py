@@ -1,0 +1,101 @@
+"""What a weight sync reports: one ServerOutcome per server, a SyncResult, and SyncError.
+
+A failed server is named with the stage it failed in (connect, pause, flush, push, continue,
+verify) and why; the others keep their own outcome, so one error says what happened everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from grctl.errors import GrctlError
+
+STAGES = ("connect", "pause", "flush", "push", "continue", "verify")
+
+
+@dataclass
+class ServerOutcome:
+    url: str
+    old_version: str | None = None
+    weight_version: str | None = None  # what the server reported at the end, when known
+    device: str = ""
+    dtype: str = ""
+    failed_stage: str | None = None  # one of STAGES
+    error: str | None = None
+    resumed: bool = False
+    num_buckets: int = 0  # tensor chunks this server applied
+    num_bytes: int = 0
+    num_tensors: int = 0  # tensors loaded, as the server counted them
+    verified: bool | None = None  # None: not checked
+    mismatches: list[str] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds
+
+    @property
+    def ok(self) -> bool:
+        return self.failed_stage is None
+
+    def fail(self, stage: str, exc: BaseException | str, where: str = "") -> None:
+        if self.failed_stage is None:  # the first failure is the one that matters
+            self.failed_stage = stage
+            text = (
+                str(exc) if isinstance(exc, (GrctlError, str)) else f"{type(exc).__name__}: {exc}"
+            )
+            self.error = f"{where}: {text}" if where else text
+
+    def summary(self) -> str:
+        if self.ok:
+            return f"{self.url}: ok (version {self.weight_version})"
+        resumed = "resumed" if self.resumed else "NOT resumed"
+        kept = f"version {self.weight_version}" if self.weight_version else "version unknown"
+        return f"{self.url}: {self.failed_stage} failed ({self.error}); {resumed}, {kept}"
+
+
+@dataclass
+class Progress:
+    """Tensor-push progress, reported after each bucket (bytes count once, not per server)."""
+
+    buckets_done: int
+    buckets_total: int
+    bytes_done: int
+    bytes_total: int
+    seconds: float
+
+
+@dataclass
+class SyncResult:
+    weight_version: str | None
+    transport: str
+    checkpoint: str
+    servers: list[ServerOutcome]
+    num_buckets: int = 0
+    num_bytes: int = 0
+    timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds, fleet-wide
+
+    @property
+    def ok(self) -> bool:
+        return all(s.ok for s in self.servers)
+
+    @property
+    def failed(self) -> list[ServerOutcome]:
+        return [s for s in self.servers if not s.ok]
+
+    @property
+    def push_gbps(self) -> float:
+        seconds = self.timings.get("push", 0.0)
+        return self.num_bytes / seconds / 1e9 if seconds > 0 else 0.0
+
+
+class SyncError(GrctlError):
+    """A sync failed on at least one server; `result` holds every server's outcome."""
+
+    code, status = "sync_failed", 0
+
+    def __init__(self, result: SyncResult):
+        failed = result.failed
+        target = result.weight_version or "(unchanged label)"
+        message = (
+            f"weight sync to version {target} failed on {len(failed)} of "
+            f"{len(result.servers)} server(s): " + "; ".join(s.summary() for s in result.servers)
+        )
+        super().__init__(message)
+        self.result = result

@@ -1,0 +1,268 @@
+"""One method per route of protocol.md, shared by GRClient and AsyncGRClient.
+
+Each method only describes its call (a `Call`: method, path, body, how to read the reply); the
+subclass's `_call` sends it. GRClient's methods return the result; AsyncGRClient's return an
+awaitable of the same result. Optional body keys left as None are not sent, as slime does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from grctl.client import types as t
+
+GROUP = "weight_update_group"
+
+
+@dataclass(frozen=True)
+class Call:
+    method: str
+    path: str
+    decode: Callable[[Any], Any]  # the parsed JSON body (or text) -> the result
+    json: dict | None = None
+    params: dict | None = None
+    kind: str = "control"  # control | generate | update: picks the client's timeout
+    ok_statuses: tuple[int, ...] = ()  # error statuses that still carry a normal reply
+    extra_timeout: float = 0.0  # added to the timeout (a server-side wait the call asks for)
+
+
+def as_(cls: type) -> Callable[[Any], Any]:
+    return lambda body: msgspec.convert(body, cls, strict=False)
+
+
+def status_of(body: dict) -> t.Status:
+    weights = msgspec.convert(body.get("weights") or {}, t.WeightVersion, strict=False)
+    return t.Status(weights=weights, sections={k: v for k, v in body.items() if k != "weights"})
+
+
+def text(body: Any) -> str:
+    return body
+
+
+def compact(**kw: Any) -> dict:
+    return {k: v for k, v in kw.items() if v is not None}
+
+
+def request_body(
+    input_ids: Sequence[int] | None = None,
+    sampling_params: dict | None = None,
+    *,
+    text: str | None = None,
+    return_logprob: bool = False,
+    rid: str | None = None,
+    **sampling: Any,
+) -> dict:
+    """A /generate or /submit body; keyword sampling options (max_new_tokens=3, n=4) merge into
+    `sampling_params`. Use it to build the list for submit_many."""
+    body = compact(input_ids=list(input_ids) if input_ids is not None else None, text=text, rid=rid)
+    body["sampling_params"] = {**(sampling_params or {}), **sampling}
+    if return_logprob:
+        body["return_logprob"] = True
+    return body
+
+
+class Routes:
+    def _call(self, call: Call) -> Any:
+        raise NotImplementedError
+
+    # Serving
+    def generate(self, input_ids=None, sampling_params=None, **kw: Any) -> t.GenerateResult:
+        body = request_body(input_ids, sampling_params, **kw)
+        return self._call(Call("POST", "/generate", as_(t.GenerateResult), body, kind="generate"))
+
+    def submit(self, input_ids=None, sampling_params=None, **kw: Any) -> t.Submitted:
+        body = request_body(input_ids, sampling_params, **kw)
+        return self._call(Call("POST", "/submit", as_(t.Submitted), body))
+
+    def submit_many(self, requests: Sequence[dict]) -> t.SubmittedMany:
+        body = {"requests": list(requests)}
+        return self._call(Call("POST", "/submit_many", as_(t.SubmittedMany), body))
+
+    def poll(self, request_id: str) -> t.PollResult:
+        return self._call(Call("GET", f"/poll/{request_id}", as_(t.PollResult)))
+
+    def result(self, request_id: str, wait: float | None = None) -> t.GenerateResult:
+        """Wait for a reply: `wait` seconds on the server (None: its --generate-timeout-s)."""
+        params = compact(timeout=wait)
+        return self._call(
+            Call(
+                "GET",
+                f"/result/{request_id}",
+                as_(t.GenerateResult),
+                params=params,
+                kind="generate",
+                extra_timeout=wait or 0.0,
+            )
+        )
+
+    def cancel(self, request_id: str) -> t.CancelResult:
+        body = {"request_id": request_id}
+        return self._call(Call("POST", "/cancel", as_(t.CancelResult), body))
+
+    def abort_request(self, rid: str | None = None, abort_all: bool = False) -> t.AbortResult:
+        body = {"abort_all": True} if abort_all else compact(rid=rid)
+        return self._call(Call("POST", "/abort_request", as_(t.AbortResult), body))
+
+    # Health, discovery, status
+    def health(self) -> t.Health:
+        return self._call(Call("GET", "/health", as_(t.Health)))
+
+    def ready(self) -> t.Readiness:
+        """Readiness as data: a 503 (not ready) is returned, not raised."""
+        return self._call(Call("GET", "/ready", as_(t.Readiness), ok_statuses=(503,)))
+
+    def status(self) -> t.Status:
+        return self._call(Call("GET", "/status", status_of))
+
+    def metrics(self) -> str:
+        return self._call(Call("GET", "/metrics", text))
+
+    def server_info(self) -> t.ServerInfo:
+        return self._call(Call("GET", "/server_info", as_(t.ServerInfo)))
+
+    def model_info(self) -> t.ModelInfo:
+        return self._call(Call("GET", "/model_info", as_(t.ModelInfo)))
+
+    def health_generate(self) -> t.Health:
+        return self._call(Call("GET", "/health_generate", as_(t.Health), kind="generate"))
+
+    def flush_cache(self, wait: float | None = None) -> t.FlushResult:
+        """One GET /flush_cache; raises CacheBusy (400) while requests hold KV."""
+        params = compact(timeout=wait)
+        return self._call(
+            Call(
+                "GET", "/flush_cache", as_(t.FlushResult), params=params, extra_timeout=wait or 0.0
+            )
+        )
+
+    # Weight sync
+    def pause_generation(self, mode: str = "abort") -> t.PauseResult:
+        return self._call(Call("POST", "/pause_generation", as_(t.PauseResult), {"mode": mode}))
+
+    def continue_generation(self) -> t.ContinueResult:
+        return self._call(Call("POST", "/continue_generation", as_(t.ContinueResult), {}))
+
+    def get_weight_version(self) -> t.WeightVersion:
+        return self._call(Call("GET", "/get_weight_version", as_(t.WeightVersion)))
+
+    def update_weight_version(
+        self, new_version: t.Version, abort_all_requests: bool = False
+    ) -> t.VersionUpdate:
+        body = {"new_version": t.version_str(new_version), "abort_all_requests": abort_all_requests}
+        return self._call(Call("POST", "/update_weight_version", as_(t.VersionUpdate), body))
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> t.WeightsByName:
+        params = {"name": name, "truncate_size": truncate_size}
+        return self._call(Call("GET", "/get_weights_by_name", as_(t.WeightsByName), params=params))
+
+    def weights_checker(self, action: str = "checksum") -> t.CheckerResult:
+        """snapshot | reset_tensors | compare | checksum (sha256 of every HF-named tensor)."""
+        body = {"action": action}
+        return self._call(Call("POST", "/weights_checker", as_(t.CheckerResult), body))
+
+    def update_weights_from_disk(
+        self,
+        model_path: str,
+        *,
+        weight_version: t.Version = None,
+        token_step: int | str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+        load_format: str | None = None,
+    ) -> t.UpdateResult:
+        body = compact(
+            model_path=str(model_path),
+            weight_version=t.version_str(weight_version),
+            token_step=token_step,
+            flush_cache=flush_cache,
+            abort_all_requests=abort_all_requests,
+            load_format=load_format,
+        )
+        return self._call(
+            Call("POST", "/update_weights_from_disk", as_(t.UpdateResult), body, kind="update")
+        )
+
+    def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: Sequence[str],
+        *,
+        load_format: str | None = "flattened_bucket",
+        weight_version: t.Version = None,
+        token_step: int | str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+    ) -> t.UpdateResult:
+        """One chunk: one base64 payload per TP rank (grctl has one). Keep the payload's
+        tensors alive until this returns: the server reads them during the call."""
+        body = compact(
+            serialized_named_tensors=list(serialized_named_tensors),
+            weight_version=t.version_str(weight_version),
+            token_step=token_step,
+            flush_cache=flush_cache,
+            abort_all_requests=abort_all_requests,
+        )
+        body["load_format"] = load_format  # always sent, null included (slime does)
+        return self._call(
+            Call("POST", "/update_weights_from_tensor", as_(t.UpdateResult), body, kind="update")
+        )
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = GROUP,
+        backend: str | None = None,
+    ) -> t.SuccessResult:
+        body = compact(
+            master_address=master_address,
+            master_port=master_port,
+            rank_offset=rank_offset,
+            world_size=world_size,
+            group_name=group_name,
+            backend=backend,
+        )
+        return self._call(
+            Call("POST", "/init_weights_update_group", as_(t.SuccessResult), body, kind="update")
+        )
+
+    def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        *,
+        group_name: str = GROUP,
+        load_format: str | None = None,
+        weight_version: t.Version = None,
+        token_step: int | str | None = None,
+        flush_cache: bool = True,
+    ) -> t.SuccessResult:
+        body = compact(
+            names=list(names),
+            dtypes=[str(d).removeprefix("torch.") for d in dtypes],
+            shapes=[list(s) for s in shapes],
+            group_name=group_name,
+            load_format=load_format,
+            weight_version=t.version_str(weight_version),
+            token_step=token_step,
+            flush_cache=flush_cache,
+        )
+        return self._call(
+            Call(
+                "POST",
+                "/update_weights_from_distributed",
+                as_(t.SuccessResult),
+                body,
+                kind="update",
+            )
+        )
+
+    def destroy_weights_update_group(self, group_name: str = GROUP) -> t.SuccessResult:
+        body = {"group_name": group_name}
+        return self._call(Call("POST", "/destroy_weights_update_group", as_(t.SuccessResult), body))

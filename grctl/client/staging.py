@@ -1,0 +1,146 @@
+"""Tensor buckets for update_weights_from_tensor, staged on the server's device.
+
+A plan is made from the checkpoint's headers alone (names, shapes, dtypes): tensors in
+checkpoint order, a new bucket when the next tensor would pass the budget, and a tensor larger
+than the budget alone in its own bucket (slime's rule). Staging a bucket reads its tensors
+(lazily, through Checkpoint) straight into one flat uint8 buffer: POSIX shared memory for a CPU
+server, device memory for a CUDA one, cast on the way to the served dtype, so the payload
+carries one shared-memory name or one CUDA IPC handle per bucket and no tensor bytes cross HTTP.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from grctl.weights import ipc
+from grctl.weights.apply import TensorSpec
+from grctl.weights.checkpoint import Checkpoint
+
+ALIGN = 16  # byte alignment of each tensor inside a bucket
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype  # the dtype it travels in
+    start: int  # byte offset inside the bucket
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    index: int
+    entries: tuple[Entry, ...]
+    nbytes: int  # the flat buffer's size, alignment included
+
+
+def wire_dtype(spec: TensorSpec, served: torch.dtype | None) -> torch.dtype:
+    """Floating tensors travel in the served dtype (the server would cast them anyway)."""
+    if served is not None and spec.dtype.is_floating_point:
+        return served
+    return spec.dtype
+
+
+def plan_buckets(
+    specs: list[TensorSpec], served: torch.dtype | None, budget_bytes: int
+) -> list[BucketPlan]:
+    buckets: list[BucketPlan] = []
+    entries: list[Entry] = []
+    offset = 0
+
+    def close() -> None:
+        nonlocal entries, offset
+        if entries:
+            buckets.append(BucketPlan(len(buckets), tuple(entries), offset))
+        entries, offset = [], 0
+
+    for spec in specs:
+        dtype = wire_dtype(spec, served)
+        size = math.prod(spec.shape) * dtype.itemsize
+        start = -(-offset // ALIGN) * ALIGN
+        if entries and start + size > budget_bytes:
+            close()
+            start = 0
+        entries.append(Entry(spec.name, tuple(spec.shape), dtype, start))
+        offset = start + size
+    close()
+    return buckets
+
+
+def shared_buffer(nbytes: int) -> torch.Tensor:
+    """A uint8 CPU tensor allocated in named POSIX shared memory (no copy into it later)."""
+    new = getattr(torch.UntypedStorage, "_new_using_filename_cpu", None)
+    if new is None:  # an older torch: allocate, then move into shared memory once
+        return ipc.share_for_ipc(torch.empty(nbytes, dtype=torch.uint8))
+    return torch.empty(0, dtype=torch.uint8).set_(new(nbytes))
+
+
+class StagedBucket:
+    """One bucket's flat buffer and metadata. Alive until `free()`; the server reads it while a
+    call that carries it is in flight, so free only after every such call has returned."""
+
+    def __init__(self, plan: BucketPlan, flat: torch.Tensor):
+        self.plan = plan
+        self.flat: torch.Tensor | None = flat
+        self.metadata = [
+            ipc.FlattenedTensorMetadata(
+                e.name, torch.Size(e.shape), e.dtype, e.start, e.start + e.nbytes, e.nbytes
+            )
+            for e in plan.entries
+        ]
+
+    @property
+    def nbytes(self) -> int:
+        return self.plan.nbytes
+
+    def payload(self) -> str:
+        """A fresh serialization for one receiver: each adds the shared-memory reference that
+        one receiver's rebuild consumes, so a payload must never go to two servers."""
+        assert self.flat is not None, "bucket already freed"
+        bucket = ipc.FlattenedTensorBucket(flattened_tensor=self.flat, metadata=self.metadata)
+        return ipc.MultiprocessingSerializer.serialize(bucket.to_payload(), output_str=True)
+
+    def free(self) -> None:
+        is_cuda = self.flat is not None and self.flat.is_cuda
+        self.flat = None
+        if is_cuda:
+            torch.cuda.ipc_collect()  # release what the server has let go of (slime does this)
+
+
+def stage(ckpt: Checkpoint, plan: BucketPlan, device: torch.device) -> StagedBucket:
+    """Read the bucket's tensors from the checkpoint into one fresh flat buffer on `device`."""
+    if device.type == "cpu":
+        flat = shared_buffer(plan.nbytes)
+    else:
+        flat = torch.empty(plan.nbytes, dtype=torch.uint8, device=device)
+    for e in plan.entries:
+        dst = flat[e.start : e.start + e.nbytes].view(e.dtype).view(e.shape)
+        dst.copy_(ckpt.fetch(e.name))  # cast and device move in one copy
+    if flat.is_cuda:
+        torch.cuda.synchronize(device)  # the bytes are in place before any handle leaves
+    return StagedBucket(plan, flat)
+
+
+def stage_device(server_device: str, override: str | None = None) -> torch.device:
+    """Where to stage for a server on `server_device` ("cpu", "cuda:0"): CUDA IPC needs the same
+    GPU, which this process finds under the same index unless told otherwise."""
+    from grctl.errors import ValidationError
+
+    dev = torch.device(override or server_device or "cpu")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValidationError(
+            f"the server serves on {server_device}, but this process has no CUDA device",
+            hint="run the push on the server's machine with its GPU visible, or use --transport "
+            "disk",
+        )
+    if dev.type not in ("cpu", "cuda"):
+        raise ValidationError(f"cannot stage tensors for a server on {server_device!r}")
+    return dev

@@ -1,0 +1,258 @@
+"""WeightSync: pause -> flush (retry) -> push -> continue -> verify, on one server or a fleet.
+
+    result = WeightSync(["http://a:8000", "http://b:8000"]).run("/ckpt/step_7", weight_version=7)
+
+Every stage runs on all servers at once. A server that fails is dropped from the later stages
+but is still resumed; if it failed after some tensor chunks were applied, its version label is
+set back to the old one (its weights are then partly new: push again). The servers that did not
+fail go on to the end. If any server failed, SyncError is raised naming every server's outcome;
+its `result` is the same SyncResult a clean run returns.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from grctl.client import staging
+from grctl.client.http import DEFAULT_URL, GRClient
+from grctl.client.outcome import Progress, ServerOutcome, SyncError, SyncResult
+from grctl.client.pipeline import PushOptions, Target, push_buckets
+from grctl.client.types import version_str
+from grctl.client.verify import CheckpointDigests, dtype_of, mismatches
+from grctl.errors import GrctlError, ValidationError
+from grctl.weights.checkpoint import Checkpoint
+
+TRANSPORTS = ("tensor", "disk")
+
+
+class WeightSync:
+    def __init__(
+        self,
+        urls: str | Sequence[str] = DEFAULT_URL,
+        *,
+        transport: str = "tensor",
+        bucket_mb: float = 512,
+        chunked: bool = True,
+        pause_mode: str = "abort",
+        verify: bool = False,
+        flush_retries: int = 60,
+        flush_interval: float = 1.0,
+        stage_device: str | None = None,
+        on_progress: Callable[[Progress], None] | None = None,
+        **client_kw,
+    ):
+        """`client_kw` goes to each GRClient (api_key, bearer, timeout, update_timeout)."""
+        if transport not in TRANSPORTS:
+            raise ValidationError(f"transport must be tensor or disk, not {transport!r}")
+        if bucket_mb <= 0:
+            raise ValidationError("bucket_mb must be > 0")
+        self.urls = [urls] if isinstance(urls, str) else list(urls)
+        if not self.urls:
+            raise ValidationError("no server URL given")
+        self.transport, self.pause_mode, self.verify = transport, pause_mode, verify
+        self.bucket_bytes = int(bucket_mb * staging.MiB) if chunked else 1 << 62
+        self.flush_retries, self.flush_interval = flush_retries, flush_interval
+        self.stage_device, self.on_progress = stage_device, on_progress
+        self.clients = {url: GRClient(url, **client_kw) for url in dict.fromkeys(self.urls)}
+        self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.clients)))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        for client in self.clients.values():
+            client.close()
+
+    def __enter__(self) -> WeightSync:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _stage(self, result: SyncResult, name: str, fn: Callable[[ServerOutcome], None]) -> None:
+        """Run `fn` on every server still ok, all at once; a raise fails that server."""
+        t0 = time.perf_counter()
+
+        def one(out: ServerOutcome) -> None:
+            t1 = time.perf_counter()
+            try:
+                fn(out)
+            except Exception as exc:
+                out.fail(name, exc)
+            out.timings[name] = round(time.perf_counter() - t1, 4)
+
+        list(self._pool.map(one, [o for o in result.servers if o.ok]))
+        result.timings[name] = round(time.perf_counter() - t0, 4)
+
+    def run(
+        self,
+        checkpoint: str | Path,
+        *,
+        weight_version: str | int | None = None,
+        token_step: int | str | None = None,
+    ) -> SyncResult:
+        t0 = time.perf_counter()
+        version = version_str(weight_version)
+        result = SyncResult(
+            version, self.transport, str(checkpoint), [ServerOutcome(url) for url in self.clients]
+        )
+        self._stage(result, "connect", self._connect)
+        reached = [o for o in result.servers if o.ok]
+        try:
+            self._stage(
+                result, "pause", lambda o: self.clients[o.url].pause_generation(self.pause_mode)
+            )
+            if self.pause_mode != "in_place":  # in_place keeps KV by design (miles skips it)
+                self._stage(
+                    result,
+                    "flush",
+                    lambda o: self.clients[o.url].flush_cache_until_ok(
+                        self.flush_retries, self.flush_interval
+                    ),
+                )
+            self._push(result, checkpoint, version, token_step)
+            self._relabel_partial(result)
+        finally:
+            self._resume(result, reached)
+        self._verify(result, checkpoint, version)
+        result.timings["total"] = round(time.perf_counter() - t0, 4)
+        if not result.ok:
+            raise SyncError(result)
+        return result
+
+    def _connect(self, out: ServerOutcome) -> None:
+        info = self.clients[out.url].server_info()
+        out.old_version = out.weight_version = info.weight_version
+        out.device, out.dtype = info.device, info.dtype
+
+    def _push(self, result: SyncResult, checkpoint, version, token_step) -> None:
+        t0 = time.perf_counter()
+        if self.transport == "disk":
+            local = Path(checkpoint)
+            path = str(local.resolve()) if local.exists() else str(checkpoint)
+
+            def disk(out: ServerOutcome) -> None:
+                reply = self.clients[out.url].update_weights_from_disk(
+                    path, weight_version=version, token_step=token_step
+                )
+                out.num_tensors = reply.tensors_loaded
+
+            self._stage(result, "push", disk)
+        else:
+            self._push_tensors(result, checkpoint, PushOptions(version, token_step))
+        result.timings["push"] = round(time.perf_counter() - t0, 4)
+
+    def _push_tensors(self, result: SyncResult, checkpoint, opts: PushOptions) -> None:
+        """One staging per (device, served dtype); servers sharing it read the same buckets."""
+        groups: dict[tuple, list[ServerOutcome]] = {}
+        for out in (o for o in result.servers if o.ok):
+            try:
+                device = staging.stage_device(out.device, self.stage_device)
+            except GrctlError as exc:
+                out.fail("push", exc)
+                continue
+            groups.setdefault((device, dtype_of(out.dtype)), []).append(out)
+        try:
+            with Checkpoint(checkpoint) as ckpt:
+                specs = ckpt.specs()
+                plans = {k: staging.plan_buckets(specs, k[1], self.bucket_bytes) for k in groups}
+                result.num_buckets = sum(len(p) for p in plans.values())
+                result.num_bytes = sum(b.nbytes for p in plans.values() for b in p)
+                progress = self._progress_reporter(result)
+                for key, outs in groups.items():
+                    targets = [Target(self.clients[o.url], o) for o in outs]
+                    try:
+                        push_buckets(ckpt, plans[key], key[0], targets, self._pool, opts, progress)
+                    except Exception as exc:  # staging failed: the group's servers stop here
+                        for out in outs:
+                            out.fail("push", exc)
+        except GrctlError as exc:  # the checkpoint is unreadable: nothing was sent
+            for outs in groups.values():
+                for out in outs:
+                    out.fail("push", exc)
+
+    def _progress_reporter(self, result: SyncResult) -> Callable[[staging.BucketPlan], None]:
+        done = Progress(0, result.num_buckets, 0, result.num_bytes, 0.0)
+        t0 = time.perf_counter()
+
+        def on_bucket(plan: staging.BucketPlan) -> None:
+            done.buckets_done += 1
+            done.bytes_done += plan.nbytes
+            done.seconds = time.perf_counter() - t0
+            if self.on_progress:
+                self.on_progress(done)
+
+        return on_bucket
+
+    def _relabel_partial(self, result: SyncResult) -> None:
+        """A server that failed after taking some chunks keeps its old version label."""
+        for out in result.servers:
+            partial = out.failed_stage == "push" and out.num_buckets > 0
+            if partial and result.weight_version and out.old_version != result.weight_version:
+                try:
+                    self.clients[out.url].update_weight_version(out.old_version)
+                    out.error += (
+                        f"; {out.num_buckets} bucket(s) had been applied: the version "
+                        f"label is back to {out.old_version!r}, push again"
+                    )
+                except Exception as exc:
+                    out.error += f"; could not restore its version label ({exc})"
+
+    def _resume(self, result: SyncResult, reached: list[ServerOutcome]) -> None:
+        def resume(out: ServerOutcome) -> None:
+            try:
+                self.clients[out.url].continue_generation()
+                out.resumed = True
+            except Exception as exc:
+                out.fail("continue", exc)
+
+        t0 = time.perf_counter()
+        list(self._pool.map(resume, reached))
+        result.timings["continue"] = round(time.perf_counter() - t0, 4)
+
+    def _verify(self, result: SyncResult, checkpoint, version: str | None) -> None:
+        """The version every server reports now; with verify, every tensor's sha256 too."""
+
+        def read(out: ServerOutcome):
+            client = self.clients[out.url]
+            try:
+                out.weight_version = client.get_weight_version().weight_version
+            except Exception as exc:
+                out.fail("verify", exc)
+                return None
+            if version is not None and out.weight_version != version:
+                out.fail("verify", f"the server reports version {out.weight_version!r}")
+            if not (self.verify and out.ok):
+                return None
+            try:
+                return client.weights_checker("checksum")
+            except Exception as exc:
+                out.fail("verify", exc)
+
+        t0 = time.perf_counter()
+        reached = [o for o in result.servers if o.failed_stage != "connect"]
+        replies = zip(reached, self._pool.map(read, reached), strict=True)
+        checks = [(o, c) for o, c in replies if c is not None]
+        if checks:
+            self._compare(checks, checkpoint)
+        result.timings["verify"] = round(time.perf_counter() - t0, 4)
+
+    @staticmethod
+    def _compare(checks: list, checkpoint) -> None:
+        digests = CheckpointDigests(checkpoint)
+        try:
+            for out, check in checks:
+                out.mismatches = mismatches(check, digests)
+                out.verified = not out.mismatches
+                if out.mismatches:
+                    shown = ", ".join(out.mismatches[:8])
+                    out.fail(
+                        "verify",
+                        f"{len(out.mismatches)} tensor(s) differ from the checkpoint: {shown}",
+                    )
+        except GrctlError as exc:  # e.g. the checkpoint is not readable here
+            for out, _ in checks:
+                out.fail("verify", exc)
+        finally:
+            digests.close()

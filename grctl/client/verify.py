@@ -1,0 +1,71 @@
+"""Checkpoint-side digests and the comparison with a server's /weights_checker checksum.
+
+The server hashes each HF-named view of its live parameters in the served dtype; the same
+digest comes from the checkpoint tensor cast to that dtype (`tensor_sha256`). Tensors the
+served model does not hold (a tied lm_head, rotary buffers) are not compared.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from grctl.client.types import CheckerResult
+from grctl.weights.checker import tensor_sha256
+from grctl.weights.checkpoint import Checkpoint
+from grctl.weights.loader import DTYPES
+
+
+def dtype_of(name: str) -> torch.dtype | None:
+    return DTYPES.get(name.removeprefix("torch.")) if name else None
+
+
+class CheckpointDigests:
+    """sha256 of every checkpoint tensor cast to a dtype, computed once per dtype and name."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._cache: dict[tuple[str, torch.dtype], str] = {}
+        self._ckpt: Checkpoint | None = None
+        self._names: set[str] = set()
+
+    def _open(self) -> Checkpoint:
+        if self._ckpt is None:
+            self._ckpt = Checkpoint(self.path)
+            self._names = {s.name for s in self._ckpt.specs()}
+        return self._ckpt
+
+    def digest(self, name: str, dtype: torch.dtype) -> str | None:
+        """None when the checkpoint has no tensor of that name."""
+        ckpt = self._open()
+        if name not in self._names:
+            return None
+        key = (name, dtype)
+        if key not in self._cache:
+            t = ckpt.fetch(name)
+            self._cache[key] = tensor_sha256(t.to(dtype) if t.is_floating_point() else t)
+        return self._cache[key]
+
+    def close(self) -> None:
+        if self._ckpt is not None:
+            self._ckpt.close()
+            self._ckpt = None
+
+
+def mismatches(checker: CheckerResult, digests: CheckpointDigests) -> list[str]:
+    """Every tensor whose server digest differs from the checkpoint's, with why."""
+    if not checker.tensors:
+        return ["the server returned no checksums (is it grctl with --allow-weight-update?)"]
+    bad = []
+    for name, served in sorted(checker.tensors.items()):
+        dtype = dtype_of(served.dtype)
+        if dtype is None:
+            bad.append(f"{name}: server reports unknown dtype {served.dtype!r}")
+            continue
+        expected = digests.digest(name, dtype)
+        if expected is None:
+            bad.append(f"{name}: missing from the checkpoint")
+        elif expected != served.sha256:
+            bad.append(f"{name}: sha256 differs ({served.dtype})")
+    return bad
