@@ -1,0 +1,118 @@
+"""DecodeGraphs: a decode step's dense work replayed from CUDA graphs, one set per batch bucket.
+
+Decode attention reads each request's own context KV (a different length per request, changing
+every step), so it stays eager; everything around it is captured. Per bucket of `rows` beams the
+step is L + 1 graphs over static buffers: [rope + embed + pre-attention 0], [post-attention i-1 +
+pre-attention i] for each next layer, [post-attention L-1 + norm + lm_head + log_softmax]; eager
+attention runs between replays, reading q/k/v from and writing its output to the static buffers.
+A batch pads up to the smallest bucket that holds it (padding rows compute garbage that is never
+read); a batch larger than every bucket runs eagerly. Weights are only ever written in place, so a
+graph replayed after a weight update reads the new values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from grctl.engine.qwen3 import Qwen3ForCausalLM, rope_cos_sin
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# attend(layer, q [rows, H, D], k [rows, KV, D], v [rows, KV, D], out [bucket, H * D])
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class _Bucket:
+    def __init__(self, model: Qwen3ForCausalLM, rows: int, device: torch.device, pool):
+        cfg, dtype = model.config, model.embed_tokens.weight.dtype
+        self.model, self.rows = model, rows
+
+        def empty(*shape, dt=dtype):
+            return torch.zeros(shape, dtype=dt, device=device)
+
+        self.ids = empty(rows, dt=torch.int64)
+        self.positions = empty(rows, dt=torch.int64)
+        self.cos, self.sin = empty(rows, cfg.head_dim), empty(rows, cfg.head_dim)
+        self.h = empty(rows, cfg.hidden_size)  # the residual stream
+        self.q = empty(rows, cfg.num_attention_heads, cfg.head_dim)
+        self.k = empty(rows, cfg.num_kv_heads, cfg.head_dim)
+        self.v = empty(rows, cfg.num_kv_heads, cfg.head_dim)
+        self.attn = empty(rows, cfg.q_size)
+        self.logprobs = empty(rows, cfg.vocab_size, dt=torch.float32)
+        num_layers = cfg.num_layers
+        pieces = [lambda: self._first()]
+        pieces += [lambda i=i: self._middle(i) for i in range(1, num_layers)]
+        pieces.append(lambda: self._last())
+        self.graphs = [self._capture(piece, pool) for piece in pieces]
+
+    @staticmethod
+    def _capture(piece: Callable[[], None], pool) -> torch.cuda.CUDAGraph:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside capture (lazy init, kernel selection)
+            piece()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            piece()
+        return graph
+
+    def _pre(self, i: int) -> None:
+        q, k, v = self.model.layers[i].pre_attention(self.h, self.cos, self.sin)
+        self.q.copy_(q)
+        self.k.copy_(k)
+        self.v.copy_(v)
+
+    def _post(self, i: int) -> None:
+        self.h.copy_(self.model.layers[i].post_attention(self.h, self.attn))
+
+    def _first(self) -> None:
+        cos, sin = rope_cos_sin(self.positions, self.cos.shape[-1], self.model.config.rope_theta)
+        self.cos.copy_(cos)
+        self.sin.copy_(sin)
+        self.h.copy_(self.model.embed_tokens(self.ids))
+        self._pre(0)
+
+    def _middle(self, i: int) -> None:
+        self._post(i - 1)
+        self._pre(i)
+
+    def _last(self) -> None:
+        self._post(self.model.config.num_layers - 1)
+        self.logprobs.copy_(torch.log_softmax(self.model.logits(self.h), dim=-1))
+
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+        n = ids.shape[0]
+        self.ids[:n].copy_(ids)
+        self.ids[n:].zero_()
+        self.positions[:n].copy_(positions)
+        self.positions[n:].zero_()
+        for i, graph in enumerate(self.graphs[:-1]):
+            graph.replay()
+            attend(i, self.q[:n], self.k[:n], self.v[:n], self.attn)
+        self.graphs[-1].replay()
+        return self.logprobs[:n].clone()
+
+
+class DecodeGraphs:
+    def __init__(self, model: Qwen3ForCausalLM, device: torch.device, buckets=DEFAULT_BUCKETS):
+        self.pool = torch.cuda.graph_pool_handle()
+        self.buckets: dict[int, _Bucket] = {}
+        self.num_replays = 0
+        with torch.inference_mode():
+            for rows in sorted(buckets, reverse=True):  # largest first: smaller ones reuse pool
+                self.buckets[rows] = _Bucket(model, rows, device, self.pool)
+        torch.cuda.synchronize(device)
+        self._sizes = sorted(self.buckets)
+
+    def fits(self, rows: int) -> bool:
+        return rows <= self._sizes[-1]
+
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+        rows = next(s for s in self._sizes if s >= ids.shape[0])
+        self.num_replays += 1
+        return self.buckets[rows].run(ids, positions, attend)
+
+    def stats(self) -> dict:
+        return {"enabled": True, "buckets": self._sizes, "replays": self.num_replays}
