@@ -36,6 +36,8 @@ class EngineCore:
         self, model: Qwen3ForCausalLM, config: EngineConfig, weight_version: str = "default"
     ):
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda" -> "cuda:N"
+            self.device = torch.device("cuda", torch.cuda.current_device())
         if model.embed_tokens.weight.device != self.device:
             model.to(self.device)  # at construction only: later, weights are written in place
         self.model = model.eval()

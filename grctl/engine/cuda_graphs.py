@@ -23,8 +23,27 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def capture_cuda_graph(piece: Callable[[], None], pool) -> torch.cuda.CUDAGraph:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside capture (lazy init, kernel selection)
+        piece()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        piece()
+    return graph
+
+
+class EagerPiece:
+    """Stands in for a captured graph where there is no CUDA (CPU tests): replay reruns it."""
+
+    def __init__(self, piece: Callable[[], None], pool=None):
+        self.replay = piece
+
+
 class _Bucket:
-    def __init__(self, model: Qwen3ForCausalLM, rows: int, device: torch.device, pool):
+    def __init__(self, model: Qwen3ForCausalLM, rows: int, device: torch.device, pool, capture):
         cfg, dtype = model.config, model.embed_tokens.weight.dtype
         self.model, self.rows = model, rows
 
@@ -44,19 +63,7 @@ class _Bucket:
         pieces = [lambda: self._first()]
         pieces += [lambda i=i: self._middle(i) for i in range(1, num_layers)]
         pieces.append(lambda: self._last())
-        self.graphs = [self._capture(piece, pool) for piece in pieces]
-
-    @staticmethod
-    def _capture(piece: Callable[[], None], pool) -> torch.cuda.CUDAGraph:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up outside capture (lazy init, kernel selection)
-            piece()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            piece()
-        return graph
+        self.graphs = [capture(piece, pool) for piece in pieces]
 
     def _pre(self, i: int) -> None:
         q, k, v = self.model.layers[i].pre_attention(self.h, self.cos, self.sin)
@@ -96,14 +103,22 @@ class _Bucket:
 
 
 class DecodeGraphs:
-    def __init__(self, model: Qwen3ForCausalLM, device: torch.device, buckets=DEFAULT_BUCKETS):
-        self.pool = torch.cuda.graph_pool_handle()
+    def __init__(
+        self,
+        model: Qwen3ForCausalLM,
+        device: torch.device,
+        buckets: tuple[int, ...] = DEFAULT_BUCKETS,
+        capture: Callable = capture_cuda_graph,
+    ):
+        is_cuda = device.type == "cuda"
+        pool = torch.cuda.graph_pool_handle() if is_cuda else None
         self.buckets: dict[int, _Bucket] = {}
         self.num_replays = 0
         with torch.inference_mode():
             for rows in sorted(buckets, reverse=True):  # largest first: smaller ones reuse pool
-                self.buckets[rows] = _Bucket(model, rows, device, self.pool)
-        torch.cuda.synchronize(device)
+                self.buckets[rows] = _Bucket(model, rows, device, pool, capture)
+        if is_cuda:
+            torch.cuda.synchronize(device)
         self._sizes = sorted(self.buckets)
 
     def fits(self, rows: int) -> bool:
