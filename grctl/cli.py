@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -23,6 +24,39 @@ model_app = typer.Typer(help="The built-in default model.", no_args_is_help=True
 app.add_typer(model_app, name="model")
 
 err_console = Console(stderr=True)
+console = Console()
+
+
+@model_app.command("export")
+def model_export(
+    out_dir: Annotated[Path, typer.Argument(help="Directory to write the HF checkpoint into.")],
+) -> None:
+    """Write the built-in model as an HF checkpoint (config.json + model.safetensors)."""
+    from grctl.weights.loader import export_hf, load_model
+
+    path = export_hf(load_model(None), out_dir)
+    console.print(f"wrote the built-in model to {path}")
+
+
+@app.command()
+def generate(
+    input_ids: Annotated[str, typer.Argument(help="Prompt token ids, comma-separated.")],
+    model_path: Annotated[
+        Optional[Path], typer.Option(help="HF checkpoint dir; none: the built-in model.")
+    ] = None,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate.")] = 3,
+    n: Annotated[int, typer.Option(min=1, help="Beam width (1: greedy).")] = 1,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+) -> None:
+    """Generate offline (no server) from token ids and print the sequences."""
+    from grctl.offline import generate_offline
+
+    try:
+        ids = [int(t) for t in input_ids.replace(" ", "").split(",") if t]
+    except ValueError as exc:
+        raise typer.BadParameter("input ids must be integers separated by commas") from exc
+    for line in generate_offline(model_path, ids, max_new_tokens, n, device):
+        console.print(line, highlight=False)
 
 
 def _opt(field: str, help: str, *decls: str, **kw) -> typer.models.OptionInfo:

@@ -7,7 +7,8 @@ app.state holds what handlers share:
   tokenizer     the checkpoint's tokenizer, or None (then `text` in a body is a 400)
   metrics       the Metrics registry /metrics renders
   waiters       the thread limiter for engine calls that wait (generate, result, flush)
-  weights_info  optional, kept by the weight routes: what /status reports under "weights"
+  updater       the WeightUpdater: one update at a time, versions and counters (/status "weights")
+  weights_checker  the snapshot kept by /weights_checker
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ from grctl.server.routes_generate import generate_routes
 from grctl.server.routes_info import info_routes
 from grctl.server.routes_weights import weight_routes
 from grctl.server.wire import load_tokenizer
+from grctl.weights.checker import WeightsChecker
 from grctl.weights.loader import DEFAULT_MODEL_NAME
+from grctl.weights.updater import WeightUpdater
 
 log = logging.getLogger("grctl.server")
 
@@ -66,6 +69,8 @@ def create_app(engine: Any, config: ServeConfig, tokenizer: Any | None = None) -
             "model_path": config.model_path or DEFAULT_MODEL_NAME,
             "tokenizer": tokenizer,
             "metrics": metrics,
+            "updater": WeightUpdater(engine, engine.weight_version),
+            "weights_checker": WeightsChecker(),
             # One thread per waiting call; enough that every queued request can be awaited.
             "waiters": anyio.CapacityLimiter(
                 config.max_running_requests + config.max_waiting_requests + 8

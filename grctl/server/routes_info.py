@@ -30,14 +30,8 @@ HEALTH_GENERATE_TIMEOUT_S = 30.0
 
 
 def weights_info(state: State) -> dict[str, Any]:
-    """What /status reports under "weights"; the weight routes keep app.state.weights_info."""
-    default = {
-        "weight_version": state.engine.weight_version,
-        "token_step": None,
-        "weight_update_count": 0,
-        "last_weight_update_ms": None,
-    }
-    return {**default, **(state.get("weights_info") or {})}
+    """What /status reports under "weights": the WeightUpdater's bookkeeping."""
+    return state.updater.info.as_dict()
 
 
 @get("/health", opt=EXEMPT, summary="Liveness: the HTTP server answers")
