@@ -4,8 +4,12 @@
 
 Prints one JSON object: requests/s and p50/p99 latency at beam 1 and beam 32 with 1, 8 and 32
 concurrent clients, for the engine called in-process and for `grctl serve` over loopback HTTP
-(a real subprocess, one httpx client per thread), and the HTTP layer's overhead at concurrency 1:
-direct and HTTP calls alternated one by one, the median of the per-pair differences.
+(a real subprocess; the two take turns level by level, never run together), and the HTTP
+layer's overhead at concurrency 1: direct and HTTP calls alternated one by one, the median of
+the per-pair differences.
+
+Each client thread holds one keep-alive connection and speaks HTTP/1.1 over a plain socket:
+on 2 cores a Python HTTP library in 32 threads costs more CPU than the server it measures.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import socket
 import statistics
 import sys
 import threading
@@ -20,7 +26,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx
+import msgspec
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -32,6 +38,37 @@ from tests.serverproc import running_server  # noqa: E402
 
 BEAMS = (1, 32)
 CONCURRENCY = (1, 8, 32)
+
+
+class RawHTTP:
+    """A minimal keep-alive HTTP/1.1 client for JSON bodies (Content-Length replies only)."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buf = b""
+
+    def _fill(self) -> None:
+        chunk = self.sock.recv(1 << 16)
+        if not chunk:
+            raise ConnectionError("server closed the connection")
+        self.buf += chunk
+
+    def request(self, method: str, path: str, body: object = None) -> bytes:
+        payload = b"" if body is None else msgspec.json.encode(body)
+        head = f"{method} {path} HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+        self.sock.sendall(f"{head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        while b"\r\n\r\n" not in self.buf:
+            self._fill()
+        head_bytes, _, self.buf = self.buf.partition(b"\r\n\r\n")
+        length = int(re.search(rb"(?i)content-length: *(\d+)", head_bytes).group(1))
+        while len(self.buf) < length:
+            self._fill()
+        reply, self.buf = self.buf[:length], self.buf[length:]
+        status = int(head_bytes.split(b" ", 2)[1])
+        if status != 200:
+            raise RuntimeError(f"{method} {path}: HTTP {status}: {reply[:300]!r}")
+        return reply
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -81,24 +118,27 @@ def engine_call(engine, args: argparse.Namespace, beam: int) -> Callable[[int], 
     return lambda i: engine.generate(GenerateRequest(tuple(prompt(i, args.prompt_len)), sampling))
 
 
-def http_call(client: Callable[[], httpx.Client], args, beam: int) -> Callable[[int], None]:
+def http_call(client: Callable[[], RawHTTP], args, beam: int) -> Callable[[int], None]:
     params = {"max_new_tokens": args.max_new_tokens, "n": beam, "ignore_eos": True}
 
     def call(i: int) -> None:
         body = {"input_ids": prompt(i, args.prompt_len), "sampling_params": params}
-        client().post("/generate", json=body).raise_for_status()
+        client().request("POST", "/generate", body)
 
     return call
 
 
-def levels(path: str, make_call: Callable[[int], Callable[[int], None]], args) -> list[dict]:
+def levels(calls: dict[str, Callable[[int], Callable[[int], None]]], args) -> list[dict]:
+    """Each (beam, concurrency) level on every path back to back, so load drift hits all alike."""
     rows = []
     for beam in BEAMS:
-        call = make_call(beam)
-        run_level(call, args.warmup, 1)
+        beam_calls = {path: make(beam) for path, make in calls.items()}
+        for call in beam_calls.values():
+            run_level(call, args.warmup, 1)
         for conc in CONCURRENCY:
-            row = run_level(call, max(args.requests, 2 * conc), conc)
-            rows.append({"path": path, "beam": beam, "concurrency": conc, **row})
+            for path, call in beam_calls.items():
+                row = run_level(call, max(args.requests, 2 * conc), conc)
+                rows.append({"path": path, "beam": beam, "concurrency": conc, **row})
     return rows
 
 
@@ -144,18 +184,21 @@ def main() -> None:
         "prompt_len": args.prompt_len,
     }
     try:
-        rows = levels("engine", lambda beam: engine_call(engine, args, beam), args)
         local = threading.local()
         flags = ("--device", args.device, "--max-waiting-requests", "4096")
         with running_server(*flags) as srv:
 
-            def client() -> httpx.Client:
+            def client() -> RawHTTP:
                 if not hasattr(local, "client"):
-                    local.client = httpx.Client(base_url=srv.url, timeout=300)
+                    local.client = RawHTTP(srv.port)
                 return local.client
 
-            rows += levels("http", lambda beam: http_call(client, args, beam), args)
-            health = lambda _: client().get("/health").raise_for_status()  # noqa: E731
+            calls = {
+                "engine": lambda beam: engine_call(engine, args, beam),
+                "http": lambda beam: http_call(client, args, beam),
+            }
+            rows = levels(calls, args)
+            health = lambda _: client().request("GET", "/health")  # noqa: E731
             report["health_roundtrip"] = run_level(health, max(args.requests, 200), 1)
             report["http_overhead"] = overhead(engine, client, args)
     finally:
