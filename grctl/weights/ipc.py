@@ -1,0 +1,339 @@
+"""The tensor wire format of SGLang's update_weights_from_tensor, for sending and receiving.
+
+A payload entry is base64 of a ForkingPickler stream. CUDA tensors travel as IPC handles whose
+device field is the GPU's UUID (Ray and friends number the same GPU differently per process);
+CPU tensors travel through POSIX shared memory (torch's file_system strategy), so no tensor
+bytes cross HTTP. Receiving goes through `grctl.weights.unpickler`, which calls nothing outside
+an exact allowlist, and every record is validated before a view is built.
+
+Lifetimes: a sender keeps its tensors (and its process) alive until the receiver has replied,
+then drops them; the receiver drops every decoded tensor once applied. Then a CPU segment's
+reference count reaches zero and it leaves /dev/shm. (torch keeps the receiver connected to each
+sender's torch_shm_manager, so one idle manager process per sender lives as long as the server.)
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import math
+import pickle
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields
+from multiprocessing.reduction import ForkingPickler
+
+import torch
+from torch.multiprocessing import reductions
+
+from grctl.errors import WeightValidationError
+from grctl.weights.unpickler import (
+    CUDA_DEVICE_ARG,
+    DTYPES,
+    check_extent,
+    cuda_device_uuid,
+    safe_loads,
+)
+
+LOAD_FORMATS = ("flattened_bucket", "direct", None)
+_ALLOWED_DTYPES = frozenset(DTYPES.values())
+
+
+@dataclass
+class FlattenedTensorMetadata:
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    start_idx: int
+    end_idx: int
+    numel: int  # bytes (current layout); elements in old one-dtype buckets
+
+    def __setstate__(self, state: object) -> None:
+        # An unpickled record gets these six fields and nothing else (no injected __setstate__).
+        if not isinstance(state, dict) or not set(state) <= _METADATA_FIELDS:
+            raise WeightValidationError("FlattenedTensorMetadata state has unexpected fields")
+        for key in _METADATA_FIELDS:
+            setattr(self, key, state.get(key))
+
+
+_METADATA_FIELDS = frozenset(f.name for f in fields(FlattenedTensorMetadata))
+
+
+@dataclass
+class LocalSerializedTensor:
+    """verl's per-rank tensor: values[i] is TP rank i's own serialized tensor; grctl reads 0."""
+
+    values: list[bytes]
+
+    def __setstate__(self, state: object) -> None:
+        values = state.get("values") if isinstance(state, dict) and len(state) == 1 else None
+        if not isinstance(values, list) or not all(isinstance(v, (bytes, str)) for v in values):
+            raise WeightValidationError("LocalSerializedTensor.values is not a list of payloads")
+        self.values = values
+
+    def get(self, rank: int = 0) -> torch.Tensor:
+        values = getattr(self, "values", None) or []
+        if not 0 <= rank < len(values):
+            raise WeightValidationError(f"LocalSerializedTensor has no entry for TP rank {rank}")
+        tensor = MultiprocessingSerializer.deserialize(values[rank])
+        return _checked_tensor(tensor, f"LocalSerializedTensor entry {rank}")
+
+
+# ---- sending -------------------------------------------------------------------------------
+
+
+def _reduce_tensor(tensor: torch.Tensor):
+    rebuild, args = reductions.reduce_tensor(tensor)
+    if rebuild is reductions.rebuild_cuda_tensor and type(args[CUDA_DEVICE_ARG]) is int:
+        # The receiver may number this GPU differently (CUDA_VISIBLE_DEVICES): send its UUID.
+        uuid = cuda_device_uuid(args[CUDA_DEVICE_ARG])
+        args = (*args[:CUDA_DEVICE_ARG], uuid, *args[CUDA_DEVICE_ARG + 1 :])
+    return rebuild, args
+
+
+def _reduce_storage_by_name(storage: torch.UntypedStorage):
+    # torch's file_system branch, whatever the process-wide sharing strategy: the receiver maps
+    # the segment by name, where a file descriptor could not travel inside an HTTP body.
+    if storage.device.type != "cpu":
+        raise RuntimeError("only CPU storages are shared by name; send the tensor instead")
+    manager, handle, size = storage._share_filename_cpu_()
+    storage._shared_incref()  # keeps the segment alive if we drop it first; the receiver decrefs
+    reductions.shared_cache[handle] = reductions.StorageWeakRef(storage)
+    return reductions.rebuild_storage_filename, (type(storage), manager, handle, size)
+
+
+class _IpcPickler(ForkingPickler):
+    """ForkingPickler with grctl's reducers in its own dispatch table; torch stays unpatched."""
+
+    def __init__(self, file: io.BytesIO, device_uuid: bool = True):
+        super().__init__(file)
+        reduce = _reduce_tensor if device_uuid else reductions.reduce_tensor
+        for cls in (torch.Tensor, torch.nn.Parameter):
+            self.dispatch_table[cls] = reduce
+        self.dispatch_table[torch.UntypedStorage] = _reduce_storage_by_name
+
+
+class MultiprocessingSerializer:
+    @staticmethod
+    def serialize(
+        obj: object, output_str: bool = False, *, device_uuid: bool = True
+    ) -> bytes | str:
+        """A ForkingPickler stream of `obj` (standard base64 text with `output_str`)."""
+        buf = io.BytesIO()
+        _IpcPickler(buf, device_uuid=device_uuid).dump(obj)
+        data = buf.getvalue()
+        return base64.b64encode(data).decode("ascii") if output_str else data
+
+    @staticmethod
+    def deserialize(data: str | bytes) -> object:
+        return safe_loads(_pickle_bytes(data))
+
+
+def _pickle_bytes(data: object) -> bytes:
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        data = bytes(data)
+        if len(data) >= 2 and data[0] == 0x80 and 2 <= data[1] <= pickle.HIGHEST_PROTOCOL:
+            return data  # raw pickle, as SGLang's in-process callers send it
+    elif not isinstance(data, str):
+        raise WeightValidationError(f"a payload entry is a {type(data).__name__}, not base64")
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise WeightValidationError(
+            "a payload entry is not valid base64 (standard alphabet, padded, no whitespace)"
+        ) from None
+
+
+def share_for_ipc(tensor: torch.Tensor) -> torch.Tensor:
+    """Move a CPU tensor's storage into shared memory now, in place (serializing does it too).
+
+    CUDA tensors need nothing. Keep the tensor alive until the receiver has replied.
+    """
+    if tensor.device.type == "cpu":
+        tensor.untyped_storage()._share_filename_cpu_()
+    return tensor
+
+
+def encode_bucket(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], keep_alive: list | None = None
+) -> str:
+    """One flattened_bucket payload entry; `keep_alive` (a list) receives the flat tensor."""
+    bucket = FlattenedTensorBucket(named_tensors=named_tensors)
+    if keep_alive is not None:
+        keep_alive.append(bucket.get_flattened_tensor())
+    return MultiprocessingSerializer.serialize(bucket.to_payload(), output_str=True)
+
+
+def encode_named_tensors(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], keep_alive: list | None = None
+) -> str:
+    """A direct/null payload entry. CPU storages move into shared memory in place."""
+    pairs = [(name, tensor.detach()) for name, tensor in named_tensors]
+    if keep_alive is not None:
+        keep_alive.extend(tensor for _, tensor in pairs)
+    return MultiprocessingSerializer.serialize(pairs, output_str=True)
+
+
+# ---- buckets -------------------------------------------------------------------------------
+
+
+class FlattenedTensorBucket:
+    """Tensors of any dtypes packed into one uint8 tensor; records carry byte offsets."""
+
+    supports_multi_dtypes = True  # slime sends one bucket for all dtypes when this is set
+
+    def __init__(self, named_tensors=None, flattened_tensor=None, metadata=None):
+        if named_tensors is not None:
+            self._flat, self._metadata = _flatten(named_tensors)
+        elif flattened_tensor is not None and metadata is not None:
+            self._flat, self._metadata = flattened_tensor, list(metadata)
+        else:
+            raise ValueError("pass named_tensors, or flattened_tensor and metadata")
+
+    def get_flattened_tensor(self) -> torch.Tensor:
+        return self._flat
+
+    def get_metadata(self) -> list[FlattenedTensorMetadata]:
+        return self._metadata
+
+    def to_payload(self) -> dict:
+        return {"flattened_tensor": self._flat, "metadata": self._metadata}
+
+    def reconstruct_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return decode_bucket(self.to_payload())
+
+
+def _flatten(named_tensors) -> tuple[torch.Tensor, list[FlattenedTensorMetadata]]:
+    flats, metadata, offset = [], [], 0
+    for name, tensor in named_tensors:
+        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        record = FlattenedTensorMetadata(
+            name, tensor.shape, tensor.dtype, offset, offset + flat.numel(), flat.numel()
+        )
+        flats.append(flat)
+        metadata.append(record)
+        offset += flat.numel()
+    if not flats:
+        return torch.empty(0, dtype=torch.uint8), []
+    if len({flat.device for flat in flats}) > 1:
+        raise ValueError("a bucket's tensors must all be on one device")
+    return torch.cat(flats), metadata
+
+
+def decode_bucket(obj: object) -> list[tuple[str, torch.Tensor]]:
+    """Zero-copy (name, tensor) views of a bucket, after every record has been validated."""
+    if not isinstance(obj, Mapping) or not {"flattened_tensor", "metadata"} <= obj.keys():
+        raise WeightValidationError(
+            "a flattened_bucket payload is a dict with flattened_tensor and metadata"
+        )
+    flat, records = obj["flattened_tensor"], obj["metadata"]
+    _checked_tensor(flat, "flattened_tensor")
+    if flat.dim() != 1 or not flat.is_contiguous():
+        raise WeightValidationError("flattened_tensor must be one contiguous dimension")
+    if not isinstance(records, (list, tuple)):
+        raise WeightValidationError("flattened_bucket metadata must be a list of records")
+    spans = [_check_record(i, record, flat) for i, record in enumerate(records)]
+    last_end, last_name = 0, None
+    for name, _, _, start, end in sorted((s for s in spans if s[4] > s[3]), key=lambda s: s[3]):
+        if start < last_end:
+            raise WeightValidationError(
+                f"flattened_bucket tensors {last_name!r} and {name!r} overlap at offset {start}"
+            )
+        last_end, last_name = end, name
+    return [
+        (name, _view(flat, start, end, dtype, shape)) for name, shape, dtype, start, end in spans
+    ]
+
+
+def _check_record(index: int, record: object, flat: torch.Tensor) -> tuple:
+    name, shape, dtype, start, end, numel = (
+        getattr(record, key, None)
+        for key in ("name", "shape", "dtype", "start_idx", "end_idx", "numel")
+    )
+    if not isinstance(name, str):
+        raise WeightValidationError(
+            f"flattened_bucket record {index}: name {name!r:.60} is not a str"
+        )
+
+    def refuse(what: str) -> WeightValidationError:
+        return WeightValidationError(f"flattened_bucket tensor {name!r}: {what}")
+
+    if not isinstance(shape, (tuple, list)) or not all(type(d) is int and d >= 0 for d in shape):
+        raise refuse(f"shape {shape!r:.80} is not a sequence of ints >= 0")
+    if not isinstance(dtype, torch.dtype) or dtype not in _ALLOWED_DTYPES:
+        raise refuse(f"dtype {dtype!r:.40} is not a torch dtype grctl accepts")
+    for key, value in (("start_idx", start), ("end_idx", end), ("numel", numel)):
+        if type(value) is not int:
+            raise refuse(f"{key} {value!r:.40} is not an int")
+    # uint8 flat tensor: byte offsets. Another dtype: an old one-dtype bucket, offsets in elements.
+    in_bytes = flat.dtype == torch.uint8
+    unit = "bytes" if in_bytes else f"{flat.dtype} elements"
+    if not 0 <= start <= end <= flat.numel():
+        raise refuse(f"[{start}, {end}) is outside the flattened tensor ({flat.numel()} {unit})")
+    if end - start != numel:
+        raise refuse(f"end_idx - start_idx is {end - start} but numel is {numel}")
+    if not in_bytes and dtype != flat.dtype:
+        raise refuse(f"is {dtype} inside an old-layout {flat.dtype} bucket")
+    expected = math.prod(shape) * (dtype.itemsize if in_bytes else 1)
+    if numel != expected:
+        raise refuse(f"numel {numel} does not match shape {list(shape)} ({expected} {unit})")
+    return name, tuple(shape), dtype, start, end
+
+
+def _view(flat: torch.Tensor, start: int, end: int, dtype: torch.dtype, shape) -> torch.Tensor:
+    part = flat[start:end]
+    if part.dtype != dtype:
+        try:
+            part = part.view(dtype)
+        except RuntimeError:  # offset not aligned to the dtype's size: one copy of this tensor
+            part = part.clone().view(dtype)
+    return part.reshape(shape)
+
+
+# ---- receiving -----------------------------------------------------------------------------
+
+
+def _checked_tensor(tensor: object, what: str) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise WeightValidationError(f"{what} is a {type(tensor).__name__}, not a tensor")
+    if tensor.layout != torch.strided or tensor.dtype not in _ALLOWED_DTYPES:
+        raise WeightValidationError(f"{what} is a {tensor.layout} {tensor.dtype} tensor")
+    if tensor.requires_grad or getattr(tensor, "_backward_hooks", None):
+        raise WeightValidationError(f"{what} carries autograd state")
+    storage = tensor.untyped_storage()
+    check_extent(
+        tuple(tensor.shape),
+        tensor.stride(),
+        tensor.storage_offset(),
+        tensor.element_size(),
+        storage.nbytes(),
+        what,
+    )
+    return tensor
+
+
+def decode_named_tensors(obj: object) -> list[tuple[str, torch.Tensor]]:
+    """A direct/null payload: (name, tensor | LocalSerializedTensor) pairs, checked."""
+    if not isinstance(obj, (list, tuple)):
+        raise WeightValidationError("a direct/null payload is a list of (name, tensor) pairs")
+    out = []
+    for index, item in enumerate(obj):
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            raise WeightValidationError(f"payload item {index} is not a (name, tensor) pair")
+        name, tensor = item
+        if not isinstance(name, str):
+            raise WeightValidationError(f"payload item {index}: name {name!r:.60} is not a str")
+        if isinstance(tensor, LocalSerializedTensor):
+            tensor = tensor.get(0)
+        out.append((name, _checked_tensor(tensor, f"tensor {name!r}")))
+    return out
+
+
+def decode_payload(entry: str | bytes, load_format: str | None) -> list[tuple[str, torch.Tensor]]:
+    """One serialized_named_tensors entry -> validated (name, tensor) pairs."""
+    if load_format not in LOAD_FORMATS:
+        raise WeightValidationError(
+            f"load_format {load_format!r} is not supported; use flattened_bucket, direct or null"
+        )
+    obj = MultiprocessingSerializer.deserialize(entry)
+    return decode_bucket(obj) if load_format == "flattened_bucket" else decode_named_tensors(obj)
