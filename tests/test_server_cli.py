@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -62,6 +64,17 @@ def test_config_validation():
     with pytest.raises(ValidationError, match="max_http_submit_many"):
         ServeConfig(max_http_submit_many=0)
     assert ServeConfig(api_key="").api_key is None
+
+
+def test_bad_flag_is_one_red_line():
+    proc = subprocess.run(
+        [sys.executable, "-m", "grctl", "serve", "--dtype", "int8"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 1
+    assert "unsupported dtype 'int8'" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.timeout(120)
