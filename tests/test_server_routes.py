@@ -178,18 +178,28 @@ def test_cancel_and_abort(http):
     long = {"max_new_tokens": 64, "n": 32, "ignore_eos": True}
     rid = http.post("/submit", json={"input_ids": [1] * 8, "sampling_params": long}).json()
     rid = rid["request_id"]
-    resp = http.post("/cancel", json={"request_id": rid})
-    assert resp.status_code == 200 and resp.json()["request_id"] == rid
+    resp = http.post("/cancel", json={"request_id": rid})  # a LONG request: still in flight
+    assert resp.status_code == 200 and resp.json() == {"request_id": rid, "cancelled": True}
     out = http.get(f"/result/{rid}").json()
-    if resp.json()["cancelled"]:
-        assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
     assert_error(http.post("/cancel", json={}), 400, "validation_error")
     assert_error(http.post("/cancel", json={"request_id": "no-such"}), 404, "not_found")
 
     rid = http.post("/submit", json={"input_ids": [2] * 8, "sampling_params": long}).json()
     resp = http.post("/abort_request", json={"rid": rid["request_id"]})
-    assert resp.status_code == 200 and resp.json()["success"] is True
-    assert http.get(f"/result/{rid['request_id']}").status_code == 200
+    assert resp.json() == {"success": True, "num_aborted_requests": 1}
+    out = http.get(f"/result/{rid['request_id']}").json()
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    # A finished request can no longer be cancelled, but it is known until fetched.
+    assert http.post("/submit", json={"input_ids": [1], "request_id": "done-1"}).status_code == 202
+    deadline = time.monotonic() + 30
+    while not http.get("/poll/done-1").json()["ready"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    resp = http.post("/cancel", json={"rid": "done-1"})
+    assert resp.json() == {"request_id": "done-1", "cancelled": False}
+    assert http.get("/result/done-1").status_code == 200
+    assert_error(http.post("/cancel", json={"request_id": "done-1"}), 404, "not_found")
     assert http.post("/abort_request", json={"rid": "no-such"}).json()["num_aborted_requests"] == 0
     assert http.post("/abort_request", json={"abort_all": True}).status_code == 200
     assert http.post("/abort_request").status_code == 200  # empty body: nothing to abort
