@@ -30,8 +30,16 @@ HEALTH_GENERATE_TIMEOUT_S = 30.0
 
 
 def weights_info(state: State) -> dict[str, Any]:
-    """What /status reports under "weights": the WeightUpdater's bookkeeping."""
-    return state.updater.info.as_dict()
+    """What /status reports under "weights": the WeightUpdater's record when there is one."""
+    updater = state.get("updater")
+    if updater is not None:
+        return updater.info.as_dict()
+    return {
+        "weight_version": state.engine.weight_version,
+        "token_step": None,
+        "weight_update_count": 0,
+        "last_weight_update_ms": None,
+    }
 
 
 @get("/health", opt=EXEMPT, summary="Liveness: the HTTP server answers")
