@@ -214,3 +214,17 @@ def test_paused_refuses_submit(model):
     eng.resume()
     assert not eng.is_paused and eng.pause_mode is None
     eng.submit(req())
+
+
+def test_context_kv_is_shared_by_beams(model):
+    """A wide beam holds the prompt's KV once, and per beam only its decoded tokens' KV."""
+    cfg = model.config
+    eng = make(model)
+    prompt = list(range(100))
+    for n in (1, 8):
+        eng.submit(req(ids=prompt, max_new_tokens=4, n=n))
+    eng.run_step()
+    st = eng.status()["scheduler"]
+    per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4  # fp32 bytes
+    assert st["context_kv_bytes"] == 2 * len(prompt) * per_token
+    assert st["beam_kv_bytes"] == (1 + 8) * 3 * per_token  # max_new_tokens - 1 steps

@@ -37,7 +37,7 @@ class Executor:
     def _prefill(self, seqs: list[Sequence], version: str) -> None:
         misses = []
         for seq in seqs:
-            entry = self.cache.get(seq.req.input_ids, version)
+            entry = self.cache.get(seq.prompt_key, version)
             if entry is None:
                 misses.append(seq)
             else:
@@ -49,7 +49,7 @@ class Executor:
         self.num_prefill_batches += 1
         self.num_prefill_tokens += sum(s.num_prompt_tokens for s in misses)
         for seq, ctx, lp in zip(misses, ctxs, logprobs, strict=True):
-            self.cache.put(seq.req.input_ids, Entry(version, ctx, lp))
+            self.cache.put(seq.prompt_key, Entry(version, ctx, lp))
             self._start(seq, ctx, lp, version)
 
     def _start(self, seq: Sequence, ctx: ContextKV, logprobs: torch.Tensor, version: str) -> None:

@@ -22,7 +22,8 @@ class Sequence:
     def __init__(self, request_id: str, req: GenerateRequest, stop_ids: tuple[int, ...]):
         self.request_id = request_id
         self.req = req
-        self.prompt = torch.tensor(req.input_ids, dtype=torch.int64)
+        self.prompt_key = tuple(req.input_ids)  # the prefill cache's key
+        self.prompt = torch.tensor(self.prompt_key, dtype=torch.int64)
         self.stop_ids = stop_ids
         self.arrival = time.monotonic()
         self.status = Status.WAITING

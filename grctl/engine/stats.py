@@ -72,6 +72,9 @@ class EngineStats:
                 "num_running": num_running,
                 "num_waiting": num_waiting,
                 "running_beams": sum(s.num_beams for s in sched.running),
+                # the context KV once per request, the decoded tail once per beam
+                "context_kv_bytes": sum(s.ctx.nbytes for s in sched.running if s.ctx),
+                "beam_kv_bytes": sum(s.beam_kv.nbytes for s in sched.running if s.beam_kv),
                 "finished": self.num_finished,
                 "retained_results": len(engine.results),
                 "evicted_results": engine.results.num_evicted,
