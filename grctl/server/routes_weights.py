@@ -27,6 +27,7 @@ from grctl.server.schemas_weights import (
     PauseResponse,
     TensorChecksum,
     UpdateFromDiskBody,
+    UpdateFromTensorBody,
     UpdateWeightsResponse,
     UpdateWeightVersionBody,
     UpdateWeightVersionResponse,
@@ -35,7 +36,7 @@ from grctl.server.schemas_weights import (
     WeightVersionResponse,
     version_str,
 )
-from grctl.weights import checker, disk
+from grctl.weights import checker, disk, tensor
 from grctl.weights.views import hf_view
 
 UPDATE_OPT = {"sglang_errors": True}
@@ -105,7 +106,12 @@ async def merged_params(request: Request) -> dict:
     return params
 
 
-@route("/get_weights_by_name", http_method=["GET", "POST"], summary="Read a parameter back")
+@route(
+    "/get_weights_by_name",
+    http_method=["GET", "POST"],
+    status_code=200,
+    summary="Read a parameter back",
+)
 async def get_weights_by_name(state: State, request: Request) -> GetWeightsResponse:
     try:
         body = msgspec.convert(await merged_params(request), GetWeightsBody, strict=False)
@@ -191,11 +197,41 @@ async def update_weights_from_disk(
         abort_all_requests=body.abort_all_requests,
     )
     state.model_path = path
+    return update_response(state, outcome, "Succeeded to update model weights from disk.", path)
+
+
+@post(
+    "/update_weights_from_tensor",
+    status_code=200,
+    opt=UPDATE_OPT,
+    summary="Apply one pushed chunk (SGLang wire format: CUDA IPC or shared memory)",
+)
+async def update_weights_from_tensor(
+    state: State, data: UpdateFromTensorBody | None = None
+) -> UpdateWeightsResponse:
+    body = data or UpdateFromTensorBody()
+    if body.serialized_named_tensors is None:
+        raise ValidationError("serialized_named_tensors is required")
+    outcome = await in_thread(
+        state,
+        tensor.update_from_tensor,
+        state.updater,
+        body.serialized_named_tensors,
+        body.load_format,
+        weight_version=version_str(body.weight_version),
+        token_step=body.token_step,
+        flush_cache=body.flush_cache,
+        abort_all_requests=body.abort_all_requests,
+    )
+    return update_response(state, outcome, "Succeeded to update model weights from tensor.")
+
+
+def update_response(state: State, outcome, message: str, model_dir: str | None = None):
     info = state.updater.info
     return UpdateWeightsResponse(
         success=True,
-        message="Succeeded to update model weights from disk.",
-        model_dir=path,
+        message=message,
+        model_dir=model_dir,
         tensors_loaded=outcome.tensors_loaded,
         flushed_cache=outcome.flushed_cache,
         num_aborted_requests=outcome.num_aborted_requests,
@@ -213,6 +249,7 @@ weight_routes = [
     get_weights_by_name,
     weights_checker,
     update_weights_from_disk,
+    update_weights_from_tensor,
 ]
 for _handler in weight_routes:
     _handler.guards = [*(_handler.guards or []), weight_update_guard]

@@ -1,0 +1,59 @@
+"""The tensor transport: one pushed chunk (SGLang's wire format), validated whole, then applied.
+
+Chunks are independent: each is planned against the live model and copied on its own, with no
+buffering and no wait for a "last" chunk. An empty bucket or list is a successful no-op. The
+decoded tensors are views of the client's memory (CUDA IPC or shared memory): every reference is
+dropped before the reply, so the client may free or reuse its buffers at once.
+"""
+
+from __future__ import annotations
+
+from grctl.errors import WeightValidationError
+from grctl.weights import apply
+from grctl.weights.ipc import decode_payload
+from grctl.weights.updater import UpdateOutcome, WeightUpdater
+
+
+def first_entry(serialized_named_tensors: object) -> str | bytes:
+    """Entry 0 of the per-TP-rank list; grctl has one rank and ignores the others."""
+    if not isinstance(serialized_named_tensors, list) or not serialized_named_tensors:
+        raise WeightValidationError(
+            "serialized_named_tensors must be a non-empty list (one entry per TP rank)"
+        )
+    entry = serialized_named_tensors[0]
+    if not isinstance(entry, (str, bytes)):
+        raise WeightValidationError("serialized_named_tensors[0] must be a base64 string")
+    return entry
+
+
+def update_from_tensor(
+    updater: WeightUpdater,
+    serialized_named_tensors: object,
+    load_format: str | None,
+    *,
+    weight_version: str | None,
+    token_step: int | str | None = None,
+    flush_cache: bool = True,
+    abort_all_requests: bool = False,
+) -> UpdateOutcome:
+    named = decode_payload(first_entry(serialized_named_tensors), load_format)
+    by_name = dict(named)
+    direct = load_format == "direct"  # direct: parameter names (fused) with exact shapes
+    try:
+        return updater.run(
+            lambda: apply.plan(
+                updater.model,
+                apply.specs_of(named),
+                require_full=False,
+                allow_fused=direct,
+                allow_split=not direct,
+            ),
+            by_name.__getitem__,
+            weight_version=weight_version,
+            token_step=token_step,
+            flush_cache=flush_cache,
+            abort_all_requests=abort_all_requests,
+        )
+    finally:
+        named.clear()
+        by_name.clear()
