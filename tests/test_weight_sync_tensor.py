@@ -29,7 +29,6 @@ from tests.serverproc import REPO_ROOT, assert_error, running_server
 from tests.weight_helpers import (
     PROMPTS,
     checkpoint_sha256,
-    flush_until_ok,
     hf_greedy,
     served_greedy,
     served_sha256,
