@@ -43,6 +43,7 @@ class EngineCore:
         self.model = model.eval()
         self.config = config
         self.weight_version = weight_version
+        self.weights_generation = 0  # grows with every weight write (see set_weights_state)
         self.pause_mode: str | None = None
         self.cache = PrefillCache(
             config.enable_prefill_cache,
@@ -142,9 +143,12 @@ class EngineCore:
             self._computing = True
             self._step_ids = {s.request_id for s in step}
             version = self.weight_version
+            # Cache entries are tagged by update, not by label: a relabel-free update must not
+            # reuse KV computed with the old weights.
+            cache_tag = f"{version}#{self.weights_generation}"
         t0, error = time.perf_counter(), None
         try:
-            self.executor.run(prefill, decode, version)
+            self.executor.run(prefill, decode, version, cache_tag)
         except Exception as exc:
             log.exception("engine step failed; its requests end with finish_reason abort")
             error = exc

@@ -179,6 +179,7 @@ class Engine(EngineCore):
         with self._cond:
             if weight_version is not None:
                 self.weight_version = weight_version
+            self.weights_generation += 1  # the weights were written: no cached KV is current
             self._weights_consistent = consistent
             self._cond.notify_all()
 

@@ -27,17 +27,20 @@ class Executor:
         self.num_decode_steps = 0
         self.num_decode_rows = 0
 
-    def run(self, prefill: list[Sequence], decode: list[Sequence], version: str) -> None:
+    def run(
+        self, prefill: list[Sequence], decode: list[Sequence], version: str, cache_tag: str = ""
+    ) -> None:
+        """One step. `version` labels the tokens; `cache_tag` keys the prefill cache."""
         if prefill:
-            self._prefill(prefill, version)
+            self._prefill(prefill, version, cache_tag or version)
         decode = decode + [s for s in prefill if not s.is_done]
         if decode:
             self._decode(decode, version)
 
-    def _prefill(self, seqs: list[Sequence], version: str) -> None:
+    def _prefill(self, seqs: list[Sequence], version: str, cache_tag: str) -> None:
         misses = []
         for seq in seqs:
-            entry = self.cache.get(seq.prompt_key, version)
+            entry = self.cache.get(seq.prompt_key, cache_tag)
             if entry is None:
                 misses.append(seq)
             else:
@@ -49,7 +52,7 @@ class Executor:
         self.num_prefill_batches += 1
         self.num_prefill_tokens += sum(s.num_prompt_tokens for s in misses)
         for seq, ctx, lp in zip(misses, ctxs, logprobs, strict=True):
-            self.cache.put(seq.prompt_key, Entry(version, ctx, lp))
+            self.cache.put(seq.prompt_key, Entry(cache_tag, ctx, lp))
             self._start(seq, ctx, lp, version)
 
     def _start(self, seq: Sequence, ctx: ContextKV, logprobs: torch.Tensor, version: str) -> None:

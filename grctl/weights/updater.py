@@ -102,4 +102,6 @@ class WeightUpdater:
         from grctl.weights.checker import WeightsChecker
 
         with self._lock, self.engine.exclusive(False):
-            return WeightsChecker.reset_tensors(self.model)
+            n = WeightsChecker.reset_tensors(self.model)
+            self.engine.set_weights_state(None, consistent=self.engine.is_weights_consistent)
+            return n
