@@ -87,7 +87,13 @@ def internal_error_handler(request: Request, exc: Exception) -> Response:
     return error_response(request, "internal_error", message, 500)
 
 
+def recursion_error_handler(request: Request, exc: RecursionError) -> Response:
+    """A body nested deeper than the decoder's stack: the client's input, not our fault."""
+    return error_response(request, "validation_error", "the JSON body nests too deeply", 400)
+
+
 EXCEPTION_HANDLERS = {
+    RecursionError: recursion_error_handler,
     GrctlError: grctl_error_handler,
     HTTPException: http_exception_handler,
     Exception: internal_error_handler,

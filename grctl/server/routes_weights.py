@@ -98,7 +98,7 @@ async def merged_params(request: Request) -> dict:
     if raw.strip():
         try:
             body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise ValidationError(f"body is not valid JSON: {exc}") from exc
         if not isinstance(body, dict):
             raise ValidationError("body must be a JSON object")
@@ -160,6 +160,8 @@ def checked_model_path(state: State, body: UpdateFromDiskBody) -> str:
     path = body.model_path or body.model_dir
     if not path:
         raise ValidationError("model_path is required (alias model_dir)")
+    if "\x00" in path:
+        raise ValidationError("model_path contains a NUL byte")
     root = state.config.weights_root
     if root is not None:
         resolved, allowed = Path(path).resolve(), Path(root).resolve()

@@ -40,6 +40,8 @@ class Checkpoint:
     """One checkpoint directory. `specs()` reads headers only; `fetch(name)` reads one tensor."""
 
     def __init__(self, path: str | Path):
+        if "\x00" in str(path):
+            raise WeightValidationError("checkpoint path contains a NUL byte")
         self.path = Path(path)
         if not self.path.exists():
             raise WeightValidationError(f"checkpoint path {str(self.path)!r} does not exist")
