@@ -1,0 +1,254 @@
+"""Weight broadcast over torch.distributed (gloo): this test process is the trainer, rank 0, and
+real `grctl serve` subprocesses are the other ranks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import torch.distributed as dist
+
+from grctl.client.distributed import WeightBroadcaster, buckets
+from grctl.errors import ValidationError
+from grctl.weights.apply import TensorSpec
+from grctl.weights.checker import tensor_sha256
+from grctl.weights.distributed import byte_layout, parse_specs, split_bucket
+from tests.checkpoints import load_hf, write_checkpoint
+from tests.serverproc import REPO_ROOT, assert_error, free_port, running_server
+
+pytestmark = pytest.mark.timeout(120)
+
+TIMEOUT_S = 4  # GR_DIST_TIMEOUT_S of the servers: the receive timeout the tests wait out
+ENV = {"GR_DIST_TIMEOUT_S": str(TIMEOUT_S)}
+PROMPT, MAX_NEW = [3, 1, 4, 1, 5], 5
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("dist")
+    out = {f"seed{s}": write_checkpoint(root / f"seed{s}", seed=s) for s in (0, 1, 2)}
+    for s in (3, 4):
+        out[f"tied{s}"] = write_checkpoint(root / f"tied{s}", seed=s, tie_word_embeddings=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def urls(ckpts) -> list[str]:
+    args = ("--allow-weight-update", "--model-path", str(ckpts["seed0"]))
+    with ExitStack() as stack:
+        yield [stack.enter_context(running_server(*args, env=ENV)).url for _ in range(2)]
+
+
+def checksums(url: str) -> dict[str, str]:
+    body = httpx.post(url + "/weights_checker", json={"action": "checksum"}, timeout=30).json()
+    return {name: t["sha256"] for name, t in body["tensors"].items()}
+
+
+def expected_sums(state: dict[str, torch.Tensor], served: dict[str, str], sent_dtype=None) -> dict:
+    """What the server must report: each sent tensor, through the sent dtype, in float32."""
+    cast = (lambda t: t.to(sent_dtype).float()) if sent_dtype else (lambda t: t.float())
+    return {name: tensor_sha256(cast(state[name])) for name in served}
+
+
+def greedy(url: str) -> list[int]:
+    sp = {"max_new_tokens": MAX_NEW, "ignore_eos": True}
+    body = {"input_ids": PROMPT, "sampling_params": sp}
+    return httpx.post(url + "/generate", json=body, timeout=60).json()["output_ids"]
+
+
+def hf_greedy(hf) -> list[int]:
+    out = hf.generate(
+        torch.tensor([PROMPT]),
+        do_sample=False,
+        max_new_tokens=MAX_NEW,
+        min_new_tokens=MAX_NEW,
+        pad_token_id=0,
+    )
+    return out[0, len(PROMPT) :].tolist()
+
+
+# ---- units ----------------------------------------------------------------------------------
+
+
+def test_specs_are_validated_before_anything_else():
+    specs = parse_specs(["a", "b"], ["torch.bfloat16", "float32"], [[2, 3], []])
+    assert [s.dtype for s in specs] == [torch.bfloat16, torch.float32]
+    for names, dtypes, shapes, words in [
+        (["a"], ["bfloat17"], [[1]], "unknown dtype"),
+        (["a"], ["float32"], [[2, -1]], "negative"),
+        (["a", "b"], ["float32"], [[1], [1]], "differ in length"),
+        (["a", "a"], ["float32"] * 2, [[1], [1]], "repeat"),
+    ]:
+        with pytest.raises(ValidationError, match=words):
+            parse_specs(names, dtypes, shapes)
+
+
+def test_flattened_bucket_splits_by_byte_layout():
+    tensors = [torch.randn(3).to(torch.bfloat16), torch.randn(2, 2), torch.randn(0), torch.ones(1)]
+    flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])
+    specs = [TensorSpec(f"t{i}", tuple(t.shape), t.dtype) for i, t in enumerate(tensors)]
+    assert byte_layout(specs) == [(0, 6), (6, 22), (22, 22), (22, 26)]
+    for got, want in zip(split_bucket(flat, specs), tensors, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)  # t1 sits at an odd offset
+
+
+def test_buckets_flag_the_last_and_keep_order():
+    named = [(str(i), torch.zeros(n)) for i, n in enumerate([4, 4, 10, 1, 1])]
+    got = [([n for n, _ in b], last) for b, last in buckets(named, bucket_bytes=32)]
+    assert got == [(["0", "1"], False), (["2"], False), (["3", "4"], True)]
+    assert list(buckets([], 32)) == []
+
+
+# ---- against real servers -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "load_format, seed, dtype", [("flattened_bucket", 1, None), (None, 2, torch.bfloat16)]
+)
+def test_full_broadcast_to_two_servers(urls, ckpts, load_format, seed, dtype):
+    hf = load_hf(ckpts[f"seed{seed}"])
+    state = {k: (v.to(dtype) if dtype else v) for k, v in hf.state_dict().items()}
+    wb = WeightBroadcaster(urls, timeout_s=30, load_format=load_format, bucket_bytes=100_000)
+    with wb:
+        stats = wb.send(state.items(), weight_version=f"seed{seed}")
+        assert stats["buckets"] > 1 and stats["tensors"] == len(state)
+        for url in urls:  # destroy answers 200 on every server
+            reply = httpx.post(url + "/destroy_weights_update_group", json={}, timeout=30)
+            assert reply.status_code == 200 and reply.json()["success"] is True
+        dist.destroy_process_group(wb.pg)
+        wb.pg = None
+    if dtype:  # the reference generates from the same bf16-rounded weights the servers got
+        hf.to(dtype).float()
+    want = hf_greedy(hf)
+    for url in urls:
+        served = checksums(url)
+        assert served == expected_sums(state, served, dtype)
+        assert greedy(url) == want
+        assert httpx.get(url + "/get_weight_version").json()["weight_version"] == f"seed{seed}"
+
+
+def test_tied_embeddings_stay_tied(ckpts):
+    hf = load_hf(ckpts["tied4"])
+    state = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}  # as SGLang's test
+    args = ("--allow-weight-update", "--model-path", str(ckpts["tied3"]))
+    with running_server(*args, env=ENV) as srv:
+        with WeightBroadcaster([srv.url], timeout_s=30) as wb:
+            wb.send(state.items())
+        served = checksums(srv.url)
+        embed = state["model.embed_tokens.weight"]
+        assert served == expected_sums({**state, "lm_head.weight": embed}, served)
+        lm_head, embed_view = (
+            httpx.post(srv.url + "/get_weights_by_name", json={"name": n}).json()["parameter"]
+            for n in ("lm_head.weight", "model.embed_tokens.weight")
+        )
+        assert lm_head == embed_view
+        assert greedy(srv.url) == hf_greedy(hf)
+
+
+def test_invalid_requests_are_refused_without_joining(urls, ckpts):
+    url, state = urls[0], load_hf(ckpts["seed1"]).state_dict()
+    name = "model.layers.0.self_attn.q_proj.weight"
+    good = {"names": [name], "dtypes": ["float32"], "shapes": [list(state[name].shape)]}
+    with WeightBroadcaster(urls, timeout_s=30) as wb:
+        for bad in [
+            {"names": ["model.layers.9.mlp.up_proj.weight"]},  # a layer the model lacks
+            {"dtypes": ["bfloat17"]},
+            {"shapes": [[-1, 64]]},
+            {"shapes": [[1, 64]]},
+            {"group_name": "no_such_group"},
+            {"load_format": "direct"},
+        ]:
+            t0 = time.monotonic()
+            reply = httpx.post(url + "/update_weights_from_distributed", json={**good, **bad})
+            assert time.monotonic() - t0 < TIMEOUT_S - 1, bad  # a joined receive waits TIMEOUT_S
+            assert_error(reply, 400, "validation_error")
+            assert reply.json()["success"] is False, bad
+        # The collective sequence is intact: a real update still lines up on both servers.
+        wb.send(state.items())
+        assert checksums(url) == expected_sums(state, checksums(url))
+
+        def init(**kw) -> httpx.Response:
+            body = {"master_address": "127.0.0.1", "master_port": "1234", "world_size": 3, **kw}
+            return httpx.post(url + "/init_weights_update_group", json=body)
+
+        assert_error(init(rank_offset=1), 409, "conflict")  # the group exists already
+        assert_error(init(rank_offset=0), 400, "validation_error")  # rank 0 is the trainer
+        assert_error(init(rank_offset=1, group_name="x", backend="nccl"), 400, "validation_error")
+    reply = httpx.post(url + "/destroy_weights_update_group", json={})
+    assert_error(reply, 400, "validation_error")  # already destroyed by the broadcaster
+
+
+TRAINER = """
+import sys, time, torch, torch.distributed as dist
+from safetensors.torch import load_file
+from grctl.weights.distributed import create_group
+port, ckpt = int(sys.argv[1]), sys.argv[2]
+state = load_file(ckpt + "/model.safetensors")
+print("ready", flush=True)  # imports done: the join below is quick
+pg = create_group("gloo", "127.0.0.1", port, 2, 0, "weight_update_group", 30)
+sys.stdin.readline()  # the test says go once the server's update call is in flight
+for i, name in enumerate(sorted(state)):
+    dist.broadcast(state[name].contiguous(), src=0, group=pg)
+    if i == len(state) // 2:
+        print("half", flush=True)
+        time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("how", ["killed", "stalled"])
+def test_trainer_that_dies_mid_broadcast(urls, ckpts, how):
+    url, new = urls[1], ckpts["seed2"]
+    before, port = checksums(url), free_port()
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", TRAINER, str(port), str(new)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO_ROOT,
+    )
+    try:
+        assert trainer.stdout.readline().strip() == "ready"
+        init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1}
+        body = {**init, "world_size": 2}
+        reply = httpx.post(url + "/init_weights_update_group", json=body, timeout=30)
+        assert reply.status_code == 200, reply.text
+        state = load_hf(new).state_dict()
+        names = sorted(state)
+        body = {"names": names, "dtypes": ["float32"] * len(names)}
+        body["shapes"] = [list(state[n].shape) for n in names]
+        result: dict = {}
+        call = threading.Thread(
+            target=lambda: result.update(
+                r=httpx.post(url + "/update_weights_from_distributed", json=body, timeout=60)
+            )
+        )
+        call.start()
+        time.sleep(0.5)
+        trainer.stdin.write("go\n")
+        trainer.stdin.flush()
+        assert trainer.stdout.readline().strip() == "half"
+        t0 = time.monotonic()
+        if how == "killed":
+            trainer.kill()
+        call.join(TIMEOUT_S + 10)
+        assert not call.is_alive() and time.monotonic() - t0 < TIMEOUT_S + 5
+        assert_error(result["r"], 500, "internal_error")
+        assert "unchanged" in result["r"].json()["error"]["message"]
+    finally:
+        trainer.kill()
+        trainer.wait()
+    assert checksums(url) == before  # unchanged, and still served
+    assert httpx.get(url + "/health").json() == {"ok": True}
+    assert httpx.get(url + "/ready").status_code == 200
+    assert len(greedy(url)) == MAX_NEW
+    # The broken group was dropped on the server: the same name joins again and updates work.
+    with WeightBroadcaster([url], timeout_s=30) as wb:
+        wb.send(state.items())
+    assert checksums(url) == expected_sums(state, before)
