@@ -117,9 +117,16 @@ def run_verify(urls, checkpoint: Path, api_key=None, timeout: float = 120.0) -> 
     finally:
         with_digests.close()
     if bad:
-        named = "; ".join(f"{url}: {', '.join(lines)}" for url, lines in bad.items())
+        named = "; ".join(f"{url}: {len(lines)} tensor(s) differ ({shorten(lines)})"
+                          for url, lines in bad.items())  # fmt: skip
         raise GrctlError(f"verification failed on {len(bad)} server(s): {named}")
     return bad
+
+
+def shorten(lines: list[str], shown: int = 4) -> str:
+    names = [line.split(":")[0] for line in lines]
+    more = f", and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 def run_push(urls, checkpoint: Path, *, verify: bool, api_key=None, **sync_kw: Any):

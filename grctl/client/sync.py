@@ -142,6 +142,8 @@ class WeightSync:
         else:
             self._push_tensors(result, checkpoint, PushOptions(version, token_step))
         result.timings["push"] = round(time.perf_counter() - t0, 4)
+        for out in result.servers:
+            out.timings.setdefault("push", result.timings["push"])  # tensor chunks go to all
 
     def _push_tensors(self, result: SyncResult, checkpoint, opts: PushOptions) -> None:
         """One staging per (device, served dtype); servers sharing it read the same buckets."""
@@ -201,11 +203,13 @@ class WeightSync:
 
     def _resume(self, result: SyncResult, reached: list[ServerOutcome]) -> None:
         def resume(out: ServerOutcome) -> None:
+            t1 = time.perf_counter()
             try:
                 self.clients[out.url].continue_generation()
                 out.resumed = True
             except Exception as exc:
                 out.fail("continue", exc)
+            out.timings["continue"] = round(time.perf_counter() - t1, 4)
 
         t0 = time.perf_counter()
         list(self._pool.map(resume, reached))
@@ -215,6 +219,13 @@ class WeightSync:
         """The version every server reports now; with verify, every tensor's sha256 too."""
 
         def read(out: ServerOutcome):
+            t1 = time.perf_counter()
+            try:
+                return read_one(out)
+            finally:
+                out.timings["verify"] = round(time.perf_counter() - t1, 4)
+
+        def read_one(out: ServerOutcome):
             client = self.clients[out.url]
             try:
                 out.weight_version = client.get_weight_version().weight_version
