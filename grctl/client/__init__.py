@@ -12,9 +12,9 @@ GRClient / AsyncGRClient: one typed method per route of protocol.md. WeightSync:
 flush -> push (tensor buckets or a disk path) -> continue -> verify, on one server or a fleet.
 """
 
+from grctl.client.calls import request_body
 from grctl.client.http import DEFAULT_URL, AsyncGRClient, ClientTimeout, ConnectionFailed, GRClient
 from grctl.client.outcome import Progress, ServerOutcome, SyncError, SyncResult
-from grctl.client.routes import request_body
 from grctl.client.types import (
     CheckerResult,
     GenerateResult,

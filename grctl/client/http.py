@@ -22,7 +22,8 @@ import httpx
 import msgspec
 
 from grctl.client import types as t
-from grctl.client.routes import Call, Routes, text
+from grctl.client.calls import Call, text
+from grctl.client.routes import Routes
 from grctl.errors import CacheBusy, GrctlError, error_from_wire
 
 DEFAULT_URL = "http://127.0.0.1:8000"

@@ -7,62 +7,13 @@ awaitable of the same result. Optional body keys left as None are not sent, as s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
-import msgspec
-
 from grctl.client import types as t
+from grctl.client.calls import Call, as_, compact, request_body, status_of, text
 
 GROUP = "weight_update_group"
-
-
-@dataclass(frozen=True)
-class Call:
-    method: str
-    path: str
-    decode: Callable[[Any], Any]  # the parsed JSON body (or text) -> the result
-    json: dict | None = None
-    params: dict | None = None
-    kind: str = "control"  # control | generate | update: picks the client's timeout
-    ok_statuses: tuple[int, ...] = ()  # error statuses that still carry a normal reply
-    extra_timeout: float = 0.0  # added to the timeout (a server-side wait the call asks for)
-
-
-def as_(cls: type) -> Callable[[Any], Any]:
-    return lambda body: msgspec.convert(body, cls, strict=False)
-
-
-def status_of(body: dict) -> t.Status:
-    weights = msgspec.convert(body.get("weights") or {}, t.WeightVersion, strict=False)
-    return t.Status(weights=weights, sections={k: v for k, v in body.items() if k != "weights"})
-
-
-def text(body: Any) -> str:
-    return body
-
-
-def compact(**kw: Any) -> dict:
-    return {k: v for k, v in kw.items() if v is not None}
-
-
-def request_body(
-    input_ids: Sequence[int] | None = None,
-    sampling_params: dict | None = None,
-    *,
-    text: str | None = None,
-    return_logprob: bool = False,
-    rid: str | None = None,
-    **sampling: Any,
-) -> dict:
-    """A /generate or /submit body; keyword sampling options (max_new_tokens=3, n=4) merge into
-    `sampling_params`. Use it to build the list for submit_many."""
-    body = compact(input_ids=list(input_ids) if input_ids is not None else None, text=text, rid=rid)
-    body["sampling_params"] = {**(sampling_params or {}), **sampling}
-    if return_logprob:
-        body["return_logprob"] = True
-    return body
 
 
 class Routes:

@@ -21,7 +21,7 @@ from grctl.client.http import DEFAULT_URL, GRClient
 from grctl.client.outcome import Progress, ServerOutcome, SyncError, SyncResult
 from grctl.client.pipeline import PushOptions, Target, push_buckets
 from grctl.client.types import version_str
-from grctl.client.verify import CheckpointDigests, dtype_of, mismatches
+from grctl.client.verify import compare_servers, dtype_of, read_server
 from grctl.errors import GrctlError, ValidationError
 from grctl.weights.checkpoint import Checkpoint
 
@@ -221,49 +221,14 @@ class WeightSync:
         def read(out: ServerOutcome):
             t1 = time.perf_counter()
             try:
-                return read_one(out)
+                return read_server(self.clients[out.url], out, version, self.verify)
             finally:
                 out.timings["verify"] = round(time.perf_counter() - t1, 4)
-
-        def read_one(out: ServerOutcome):
-            client = self.clients[out.url]
-            try:
-                out.weight_version = client.get_weight_version().weight_version
-            except Exception as exc:
-                out.fail("verify", exc)
-                return None
-            if version is not None and out.weight_version != version:
-                out.fail("verify", f"the server reports version {out.weight_version!r}")
-            if not (self.verify and out.ok):
-                return None
-            try:
-                return client.weights_checker("checksum")
-            except Exception as exc:
-                out.fail("verify", exc)
 
         t0 = time.perf_counter()
         reached = [o for o in result.servers if o.failed_stage != "connect"]
         replies = zip(reached, self._pool.map(read, reached), strict=True)
         checks = [(o, c) for o, c in replies if c is not None]
         if checks:
-            self._compare(checks, checkpoint)
+            compare_servers(checks, checkpoint)
         result.timings["verify"] = round(time.perf_counter() - t0, 4)
-
-    @staticmethod
-    def _compare(checks: list, checkpoint) -> None:
-        digests = CheckpointDigests(checkpoint)
-        try:
-            for out, check in checks:
-                out.mismatches = mismatches(check, digests)
-                out.verified = not out.mismatches
-                if out.mismatches:
-                    shown = ", ".join(out.mismatches[:8])
-                    out.fail(
-                        "verify",
-                        f"{len(out.mismatches)} tensor(s) differ from the checkpoint: {shown}",
-                    )
-        except GrctlError as exc:  # e.g. the checkpoint is not readable here
-            for out, _ in checks:
-                out.fail("verify", exc)
-        finally:
-            digests.close()

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import torch
 
+from grctl.client.outcome import ServerOutcome
 from grctl.client.types import CheckerResult
+from grctl.errors import GrctlError
 from grctl.weights.checker import tensor_sha256
 from grctl.weights.checkpoint import Checkpoint
 from grctl.weights.loader import DTYPES
@@ -69,3 +71,41 @@ def mismatches(checker: CheckerResult, digests: CheckpointDigests) -> list[str]:
         elif expected != served.sha256:
             bad.append(f"{name}: sha256 differs ({served.dtype})")
     return bad
+
+
+def read_server(client, out: ServerOutcome, version: str | None, checksum: bool):
+    """After a sync: the version the server reports (must be `version` when one was pushed),
+    then, with `checksum`, its /weights_checker digests (None when not asked or failed)."""
+    try:
+        out.weight_version = client.get_weight_version().weight_version
+    except Exception as exc:
+        out.fail("verify", exc)
+        return None
+    if version is not None and out.weight_version != version:
+        out.fail("verify", f"the server reports version {out.weight_version!r}")
+    if not (checksum and out.ok):
+        return None
+    try:
+        return client.weights_checker("checksum")
+    except Exception as exc:
+        out.fail("verify", exc)
+        return None
+
+
+def compare_servers(checks: list[tuple[ServerOutcome, CheckerResult]], checkpoint) -> None:
+    """Each server's digests against the checkpoint's, read once for the whole fleet."""
+    digests = CheckpointDigests(checkpoint)
+    try:
+        for out, check in checks:
+            out.mismatches = mismatches(check, digests)
+            out.verified = not out.mismatches
+            if out.mismatches:
+                shown = ", ".join(out.mismatches[:8])
+                out.fail(
+                    "verify", f"{len(out.mismatches)} tensor(s) differ from the checkpoint: {shown}"
+                )
+    except GrctlError as exc:  # e.g. the checkpoint is not readable here
+        for out, _ in checks:
+            out.fail("verify", exc)
+    finally:
+        digests.close()
