@@ -1,13 +1,14 @@
-"""Generation latency and throughput on the CPU: our engine against transformers' generate().
+"""Generation latency and throughput: our engine against transformers' generate().
 
-A 29M-parameter Qwen3 (hidden 512, 8 layers, 8 heads, 4 KV heads, head_dim 64, intermediate 1536,
-vocab 8192, tied) with random weights, loaded into both through our weight sink; a 512-token
-prompt, 3 new tokens, beam widths 1, 8 and 32, both in the same run and the same precision.
-Runs alternate between the two (the machine may be shared), and each figure is the best of N
-runs, with the median beside it. Prints one JSON object: per width the latencies and their ratio
-and whether the top sequences agree; then the throughput of 8 concurrent beam-32 requests.
+Preset `cpu` (the default): a 29M-parameter Qwen3 (hidden 512, 8 layers, 8 heads, 4 KV heads,
+head_dim 64, intermediate 1536, vocab 8192, tied) with random weights, loaded into both through
+our weight sink; a 512-token prompt, 3 new tokens, beam widths 1, 8 and 32, same precision, same
+run. Preset `gpu`: Qwen3-0.6B-shaped random bf16 weights on CUDA, prompt 1024, beam 128.
+Runs alternate between the two (the machine may be shared) and each figure is the best of N
+runs, with the median beside it. Prints one JSON object: per width the latencies, their ratio and
+whether the top sequences agree; then the throughput of concurrent requests of the widest beam.
 
-    python bench/bench_generate.py [--repeats 5] [--dtype float32]
+    python bench/bench_generate.py [--preset cpu|gpu] [--repeats 5] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -30,26 +31,53 @@ from grctl.engine.qwen3 import Qwen3ForCausalLM  # noqa: E402
 from grctl.engine.request import GenerateRequest, SamplingParams  # noqa: E402
 from grctl.weights import apply  # noqa: E402
 
-SHAPE = dict(
-    hidden_size=512,
-    num_hidden_layers=8,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=64,
-    intermediate_size=1536,
-    vocab_size=8192,
-    tie_word_embeddings=True,
-    max_position_embeddings=4096,
-)
-PROMPT_LEN, NEW_TOKENS, WIDTHS, CONCURRENT = 512, 3, (1, 8, 32), 8
+PRESETS = {
+    "cpu": dict(
+        shape=dict(
+            hidden_size=512,
+            num_hidden_layers=8,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=64,
+            intermediate_size=1536,
+            vocab_size=8192,
+            tie_word_embeddings=True,
+            max_position_embeddings=4096,
+        ),
+        device="cpu",
+        dtype="float32",
+        prompt_len=512,
+        widths=(1, 8, 32),
+        concurrent=8,
+    ),
+    "gpu": dict(
+        shape=dict(
+            hidden_size=1024,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            intermediate_size=3072,
+            vocab_size=151936,
+            tie_word_embeddings=True,
+            max_position_embeddings=8192,
+        ),
+        device="cuda",
+        dtype="bfloat16",
+        prompt_len=1024,
+        widths=(128,),
+        concurrent=4,
+    ),
+}
+NEW_TOKENS = 3
 
 
-def build(dtype: torch.dtype) -> tuple[transformers.Qwen3ForCausalLM, Qwen3ForCausalLM]:
+def build(shape: dict, dtype: torch.dtype, device: str):
     torch.manual_seed(0)
-    hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SHAPE)).eval()
+    hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**shape)).eval()
     ours = Qwen3ForCausalLM(ModelConfig.from_hf(hf.config.to_dict())).eval()
     apply.load_tensors(ours, list(hf.state_dict().items()), require_full=True)
-    return hf.to(dtype), ours.to(dtype)
+    return hf.to(device, dtype), ours.to(device, dtype)
 
 
 def timed(fn) -> tuple[float, object]:
@@ -86,7 +114,7 @@ def summary(hf_times: list[float], our_times: list[float]) -> dict:
 def hf_generate(hf, ids: list[int], width: int) -> list[int]:
     with torch.no_grad():
         out = hf.generate(
-            torch.tensor([ids]),
+            torch.tensor([ids], device=hf.device),
             max_new_tokens=NEW_TOKENS,
             num_beams=width,
             num_return_sequences=width,
@@ -102,29 +130,34 @@ def request(ids: list[int], width: int) -> GenerateRequest:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: the preset's")
     args = parser.parse_args()
+    preset = PRESETS[args.preset]
+    shape, device, width_max = preset["shape"], preset["device"], max(preset["widths"])
+    dtype = args.dtype or preset["dtype"]
     transformers.logging.set_verbosity_error()
-    hf, ours = build(getattr(torch, args.dtype))
-    engine = Engine(ours, EngineConfig(max_new_tokens_limit=NEW_TOKENS))
+    hf, ours = build(shape, getattr(torch, dtype), device)
+    engine = Engine(ours, EngineConfig(device=device, max_new_tokens_limit=NEW_TOKENS))
     engine.start()
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, SHAPE["vocab_size"], (PROMPT_LEN,), generator=gen).tolist()
+    ids = torch.randint(0, shape["vocab_size"], (preset["prompt_len"],), generator=gen).tolist()
     report: dict = {
-        "device": "cpu",
+        "preset": args.preset,
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "threads": torch.get_num_threads(),
-        "dtype": args.dtype,
+        "dtype": dtype,
         "params_m": round(sum(p.numel() for p in ours.parameters()) / 1e6, 1),
-        "prompt_tokens": PROMPT_LEN,
+        "prompt_tokens": preset["prompt_len"],
         "new_tokens": NEW_TOKENS,
         "repeats": args.repeats,
         "latency": {},
     }
-    for width in WIDTHS:
+    for width in preset["widths"]:
         times, outs = interleaved(
             {
-                "hf": lambda w=width: hf_generate(hf, ids, w),
+                "hf": lambda w=width: hf_generate(hf, ids, w),  # returns after a sync
                 "ours": lambda w=width: engine.generate(request(ids, w)),
             },
             args.repeats,
@@ -134,24 +167,25 @@ def main() -> None:
             "same_top_sequence": outs["ours"].output_ids == outs["hf"],
         }
     prompts = [
-        torch.randint(0, SHAPE["vocab_size"], (PROMPT_LEN,), generator=gen).tolist()
-        for _ in range(CONCURRENT)
+        torch.randint(0, shape["vocab_size"], (preset["prompt_len"],), generator=gen).tolist()
+        for _ in range(preset["concurrent"])
     ]
 
     def burst() -> None:
-        rids = [engine.submit(request(p, 32)) for p in prompts]
+        rids = [engine.submit(request(p, width_max)) for p in prompts]
         for rid in rids:
             engine.result(rid)
 
     burst_times, _ = interleaved({"burst": burst}, args.repeats)
     burst_s = min(burst_times["burst"])
-    hf_rps = 1e3 / report["latency"]["beam_32"]["transformers_ms"]
-    report["throughput_beam_32"] = {
-        "concurrent_requests": CONCURRENT,
+    hf_rps = 1e3 / report["latency"][f"beam_{width_max}"]["transformers_ms"]
+    concurrent = preset["concurrent"]
+    report[f"throughput_beam_{width_max}"] = {
+        "concurrent_requests": concurrent,
         "grctl_wall_ms": round(burst_s * 1e3, 1),
-        "grctl_requests_per_s": round(CONCURRENT / burst_s, 2),
+        "grctl_requests_per_s": round(concurrent / burst_s, 2),
         "transformers_requests_per_s": round(hf_rps, 3),  # one request at a time, best-of
-        "speedup": round(CONCURRENT / burst_s / hf_rps, 2),
+        "speedup": round(concurrent / burst_s / hf_rps, 2),
     }
     engine.stop()
     print(json.dumps(report, indent=2))
