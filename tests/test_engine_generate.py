@@ -158,3 +158,18 @@ def test_mixed_batch_equals_each_alone(pair):
         assert [b.output_ids for b in t.beams] == [b.output_ids for b in a.beams]
         for bt, ba in zip(t.beams, a.beams, strict=True):
             assert bt.sequence_score == pytest.approx(ba.sequence_score, abs=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_engine(dtype):
+    hf, ours = hf_and_ours(seed=7, dtype=dtype)
+    eng = Engine(ours, EngineConfig())
+    ids = prompt(24, 1)
+    rid = eng.submit(req(ids, max_new_tokens=3, n=4))
+    while eng.run_step():
+        pass
+    beams = eng.result(rid).beams
+    assert len(beams) == 4 and all(len(b.output_ids) == 3 for b in beams)
+    scores = [b.sequence_score for b in beams]
+    assert scores == sorted(scores, reverse=True) and all(s == s and s < 0 for s in scores)
+    assert eng.status()["engine"]["dtype"] == str(dtype).removeprefix("torch.")
