@@ -44,6 +44,12 @@ class Transport(str, Enum):
     disk = "disk"
 
 
+TRANSPORT_HELP = (
+    "tensor: this process stages buckets on the server's device (shared memory or CUDA IPC); "
+    "disk: the servers read the checkpoint path themselves."
+)
+
+
 class PauseMode(str, Enum):
     abort = "abort"
     retract = "retract"
@@ -117,8 +123,9 @@ def run_verify(urls, checkpoint: Path, api_key=None, timeout: float = 120.0) -> 
     finally:
         with_digests.close()
     if bad:
-        named = "; ".join(f"{url}: {len(lines)} tensor(s) differ ({shorten(lines)})"
-                          for url, lines in bad.items())  # fmt: skip
+        named = "; ".join(
+            f"{url}: {len(lines)} tensor(s) differ ({shorten(lines)})" for url, lines in bad.items()
+        )
         raise GrctlError(f"verification failed on {len(bad)} server(s): {named}")
     return bad
 
@@ -137,8 +144,13 @@ def run_push(urls, checkpoint: Path, *, verify: bool, api_key=None, **sync_kw: A
     version, token_step = sync_kw.pop("weight_version", None), sync_kw.pop("token_step", None)
     transport = sync_kw.get("transport", "tensor")
     with report.push_progress(err_console, transport) as on_progress:
-        with WeightSync(urls or [DEFAULT_URL], api_key=api_key, verify=verify,
-                        on_progress=on_progress, **sync_kw) as sync:  # fmt: skip
+        with WeightSync(
+            urls or [DEFAULT_URL],
+            api_key=api_key,
+            verify=verify,
+            on_progress=on_progress,
+            **sync_kw,
+        ) as sync:
             try:
                 result = sync.run(checkpoint, weight_version=version, token_step=token_step)
             except SyncError as exc:
@@ -151,13 +163,7 @@ def run_push(urls, checkpoint: Path, *, verify: bool, api_key=None, **sync_kw: A
 def push(
     checkpoint: Annotated[Path, typer.Option(help="HF checkpoint directory to push.")],
     url: Urls = None,
-    transport: Annotated[
-        Transport,
-        typer.Option(
-            help="tensor: client-staged buckets "
-            "(shared memory or CUDA IPC); disk: the server reads the path."
-        ),
-    ] = (Transport.tensor),
+    transport: Annotated[Transport, typer.Option(help=TRANSPORT_HELP)] = Transport.tensor,
     chunked: Annotated[bool, typer.Option(help="Several buckets (else one).")] = True,
     bucket_mb: Annotated[float, typer.Option(min=0.0001, help="Bucket size, MiB.")] = 512,
     weight_version: Annotated[Optional[str], typer.Option(help="Version label to set.")] = None,
@@ -170,10 +176,21 @@ def push(
     timeout: Annotated[float, typer.Option(min=1, help="Seconds per update call.")] = 600.0,
 ) -> None:
     """Pause, flush, push a checkpoint, resume and verify, on one server or a fleet."""
-    run_push(url, checkpoint, verify=verify, api_key=api_key, transport=transport.value,
-             chunked=chunked, bucket_mb=bucket_mb, weight_version=weight_version,
-             token_step=token_step, pause_mode=pause_mode.value, flush_retries=flush_retries,
-             flush_interval=flush_interval, update_timeout=timeout)  # fmt: skip
+    run_push(
+        url,
+        checkpoint,
+        verify=verify,
+        api_key=api_key,
+        transport=transport.value,
+        chunked=chunked,
+        bucket_mb=bucket_mb,
+        weight_version=weight_version,
+        token_step=token_step,
+        pause_mode=pause_mode.value,
+        flush_retries=flush_retries,
+        flush_interval=flush_interval,
+        update_timeout=timeout,
+    )
 
 
 def pause(

@@ -39,8 +39,21 @@ def free_port() -> int:
 @contextmanager
 def demo_server(device: str, log_path: Path, start_timeout: float = 60.0) -> Iterator[str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "grctl", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--device", device, "--allow-weight-update", "--weight-version", "builtin"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "grctl",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--device",
+        device,
+        "--allow-weight-update",
+        "--weight-version",
+        "builtin",
+    ]
     package_root = str(Path(__file__).resolve().parent.parent)  # `-m grctl` finds this grctl
     env = {
         **os.environ,

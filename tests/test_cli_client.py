@@ -30,8 +30,12 @@ def cli_env(extra: dict | None = None) -> dict:
 def grctl(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "grctl", *args],
-        capture_output=True, text=True, env=cli_env(env), cwd=REPO_ROOT, timeout=timeout,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=cli_env(env),
+        cwd=REPO_ROOT,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -58,16 +62,32 @@ def test_usage_errors_exit_2():
 
 
 def test_push_chunked_then_disk(fleet, ckpts):
-    out = grctl("push", "--checkpoint", str(ckpts[1]), *urls(fleet), "--bucket-mb", "0.01",
-                "--weight-version", "5")  # fmt: skip
+    out = grctl(
+        "push",
+        "--checkpoint",
+        str(ckpts[1]),
+        *urls(fleet),
+        "--bucket-mb",
+        "0.01",
+        "--weight-version",
+        "5",
+    )
     assert out.returncode == 0, out.stderr
     assert "version 5" in out.stdout and out.stdout.count("ok") >= 2 and "GB/s" in out.stdout
     want = hf_greedy(ckpts[1])
     assert all(served(s.url) == (want, "5") for s in fleet)
 
     gr_url = " ".join(s.url for s in fleet)  # GR_URL holds the fleet, space-separated
-    out = grctl("push", "--checkpoint", str(ckpts[0]), "--transport", "disk", "--weight-version",
-                "6", env={"GR_URL": gr_url})  # fmt: skip
+    out = grctl(
+        "push",
+        "--checkpoint",
+        str(ckpts[0]),
+        "--transport",
+        "disk",
+        "--weight-version",
+        "6",
+        env={"GR_URL": gr_url},
+    )
     assert out.returncode == 0, out.stderr
     want = hf_greedy(ckpts[0])
     assert all(served(s.url) == (want, "6") for s in fleet)
@@ -110,8 +130,14 @@ def test_server_killed_mid_push(fleet, ckpts):
         (doomed,) = start_servers(stack, 1, "--model-path", str(ckpts[0]), "--allow-weight-update")
         args = ["--checkpoint", str(ckpts[1]), "--bucket-mb", "0.002", "--weight-version", "k"]
         cmd = [sys.executable, "-m", "grctl", "push", *args, *urls([fleet[0], doomed, fleet[1]])]
-        push = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                cwd=REPO_ROOT, env=cli_env())  # fmt: skip
+        push = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO_ROOT,
+            env=cli_env(),
+        )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # kill it once it has taken a first chunk
             count = httpx.get(doomed.url + "/get_weight_version").json()["weight_update_count"]

@@ -135,8 +135,9 @@ def test_flush_retries_until_the_engine_is_idle(gr):
 def test_async_client(srv):
     async def main() -> None:
         async with AsyncGRClient(srv.url, api_key=KEY) as gr:
-            out, info = await asyncio.gather(gr.generate([1, 2, 3], max_new_tokens=3),
-                                             gr.server_info())  # fmt: skip
+            out, info = await asyncio.gather(
+                gr.generate([1, 2, 3], max_new_tokens=3), gr.server_info()
+            )
             assert len(out.output_ids) == 3 and info.device == "cpu"
             await gr.pause_generation()
             assert (await gr.flush_cache_until_ok(retries=5, interval=0.01)).success

@@ -16,6 +16,7 @@ import torch
 
 from grctl.client import GRClient, SyncError, WeightSync
 from grctl.client.staging import MiB, plan_buckets
+from grctl.errors import WeightValidationError
 from grctl.weights.checkpoint import Checkpoint
 from tests.checkpoints import load_hf, write_checkpoint
 from tests.serverproc import REPO_ROOT, running_server
@@ -104,6 +105,10 @@ def test_bad_checkpoint_keeps_every_server_on_its_version(fleet, tmp_path):
     assert all(o.failed_stage == "push" and o.resumed for o in result.servers)
     assert all(o.weight_version == o.old_version for o in result.servers)
     assert [served(s.url) for s in fleet] == before
+    with WeightSync(fleet[0].url) as sync, pytest.raises(WeightValidationError):
+        sync.run(tmp_path / "missing")  # refused before any server is paused
+    with GRClient(fleet[0].url) as gr:
+        assert gr.ready().ready
 
 
 def test_server_killed_mid_sync(fleet, ckpts):
@@ -142,8 +147,12 @@ def test_library_from_a_separate_process(fleet, ckpts):
     url = fleet[2].url
     proc = subprocess.run(
         [sys.executable, "-c", code, url, str(ckpts[1])],
-        capture_output=True, text=True, env=env, cwd="/", timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd="/",
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     num_buckets, version = proc.stdout.split()
     assert int(num_buckets) > 1 and version == "from-subprocess"

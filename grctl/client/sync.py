@@ -93,6 +93,9 @@ class WeightSync:
         token_step: int | str | None = None,
     ) -> SyncResult:
         t0 = time.perf_counter()
+        if self.transport == "tensor":  # an unreadable checkpoint fails before any server pauses
+            with Checkpoint(checkpoint) as ckpt:
+                ckpt.specs()
         version = version_str(weight_version)
         result = SyncResult(
             version, self.transport, str(checkpoint), [ServerOutcome(url) for url in self.clients]
