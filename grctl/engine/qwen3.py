@@ -124,7 +124,7 @@ class Qwen3MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))  # in place: one [rows, inter] buffer less
 
 
 class Qwen3DecoderLayer(nn.Module):
