@@ -52,7 +52,8 @@ def main() -> None:
         write_random_checkpoint(path, ONE_GIB_CONFIG)
     state = load_state(path)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    memcpy = memcpy_seconds([torch.empty_like(t) for t in state.values()], args.repeats)
+    dst = [torch.empty_like(t) for t in state.values()]
+    memcpy = memcpy_seconds(dst, args.repeats)
     results = []
     with ExitStack() as stack:
         urls: list[str] = []
@@ -70,9 +71,11 @@ def main() -> None:
                         "broadcast_s": t["s"],
                         "buckets": t["buckets"],
                         "gbps_per_server": round(nbytes / t["s"] / 1e9, 3),
-                        "ratio_vs_memcpy": round(t["s"] / memcpy, 1),
                     }
                 )
+    memcpy = min(memcpy, memcpy_seconds(dst, args.repeats))  # again: the machine may be shared
+    for r in results:
+        r["ratio_vs_memcpy"] = round(r["broadcast_s"] / memcpy, 2)
     print(
         json.dumps(
             {

@@ -9,6 +9,7 @@ import threading
 import time
 from contextlib import ExitStack
 from pathlib import Path
+from unittest.mock import ANY
 
 import httpx
 import pytest
@@ -46,9 +47,13 @@ def urls(ckpts) -> list[str]:
         yield [stack.enter_context(running_server(*args, env=ENV)).url for _ in range(2)]
 
 
+def post(url: str, path: str, body: dict | None = None) -> httpx.Response:
+    return httpx.post(url + path, json=body or {}, timeout=60)
+
+
 def checksums(url: str) -> dict[str, str]:
-    body = httpx.post(url + "/weights_checker", json={"action": "checksum"}, timeout=30).json()
-    return {name: t["sha256"] for name, t in body["tensors"].items()}
+    tensors = post(url, "/weights_checker", {"action": "checksum"}).json()["tensors"]
+    return {name: t["sha256"] for name, t in tensors.items()}
 
 
 def expected_sums(state: dict[str, torch.Tensor], served: dict[str, str], sent_dtype=None) -> dict:
@@ -59,19 +64,24 @@ def expected_sums(state: dict[str, torch.Tensor], served: dict[str, str], sent_d
 
 def greedy(url: str) -> list[int]:
     sp = {"max_new_tokens": MAX_NEW, "ignore_eos": True}
-    body = {"input_ids": PROMPT, "sampling_params": sp}
-    return httpx.post(url + "/generate", json=body, timeout=60).json()["output_ids"]
+    return post(url, "/generate", {"input_ids": PROMPT, "sampling_params": sp}).json()["output_ids"]
+
+
+def destroy(url: str, group_name: str = "weight_update_group") -> httpx.Response:
+    return post(url, "/destroy_weights_update_group", {"group_name": group_name})
+
+
+def started(fn) -> tuple[threading.Thread, dict]:
+    """fn() running in a thread; its return value lands in result["r"]."""
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(r=fn()))
+    thread.start()
+    return thread, result
 
 
 def hf_greedy(hf) -> list[int]:
-    out = hf.generate(
-        torch.tensor([PROMPT]),
-        do_sample=False,
-        max_new_tokens=MAX_NEW,
-        min_new_tokens=MAX_NEW,
-        pad_token_id=0,
-    )
-    return out[0, len(PROMPT) :].tolist()
+    kw = dict(do_sample=False, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, pad_token_id=0)
+    return hf.generate(torch.tensor([PROMPT]), **kw)[0, len(PROMPT) :].tolist()
 
 
 # ---- units ----------------------------------------------------------------------------------
@@ -120,8 +130,7 @@ def test_full_broadcast_to_two_servers(urls, ckpts, load_format, seed, dtype):
         stats = wb.send(state.items(), weight_version=f"seed{seed}")
         assert stats["buckets"] > 1 and stats["tensors"] == len(state)
         for url in urls:  # destroy answers 200 on every server
-            reply = httpx.post(url + "/destroy_weights_update_group", json={}, timeout=30)
-            assert reply.status_code == 200 and reply.json()["success"] is True
+            assert destroy(url).json() == {"success": True, "message": ANY}
         dist.destroy_process_group(wb.pg)
         wb.pg = None
     if dtype:  # the reference generates from the same bf16-rounded weights the servers got
@@ -145,7 +154,7 @@ def test_tied_embeddings_stay_tied(ckpts):
         embed = state["model.embed_tokens.weight"]
         assert served == expected_sums({**state, "lm_head.weight": embed}, served)
         lm_head, embed_view = (
-            httpx.post(srv.url + "/get_weights_by_name", json={"name": n}).json()["parameter"]
+            post(srv.url, "/get_weights_by_name", {"name": n}).json()
             for n in ("lm_head.weight", "model.embed_tokens.weight")
         )
         assert lm_head == embed_view
@@ -166,29 +175,41 @@ def test_invalid_requests_are_refused_without_joining(urls, ckpts):
             {"load_format": "direct"},
         ]:
             t0 = time.monotonic()
-            reply = httpx.post(url + "/update_weights_from_distributed", json={**good, **bad})
+            reply = post(url, "/update_weights_from_distributed", {**good, **bad})
             assert time.monotonic() - t0 < TIMEOUT_S - 1, bad  # a joined receive waits TIMEOUT_S
             assert_error(reply, 400, "validation_error")
             assert reply.json()["success"] is False, bad
         # The collective sequence is intact: a real update still lines up on both servers.
         wb.send(state.items())
         assert checksums(url) == expected_sums(state, checksums(url))
+    assert_error(destroy(url), 400, "validation_error")  # already destroyed by the broadcaster
 
-        def init(**kw) -> httpx.Response:
-            body = {"master_address": "127.0.0.1", "master_port": "1234", "world_size": 3, **kw}
-            return httpx.post(url + "/init_weights_update_group", json=body)
 
-        assert_error(init(rank_offset=1), 409, "conflict")  # the group exists already
-        assert_error(init(rank_offset=0), 400, "validation_error")  # rank 0 is the trainer
-        assert_error(init(rank_offset=1, group_name="x", backend="nccl"), 400, "validation_error")
-    reply = httpx.post(url + "/destroy_weights_update_group", json={})
-    assert_error(reply, 400, "validation_error")  # already destroyed by the broadcaster
+def test_init_refuses_bad_args_and_times_out_without_a_trainer(urls):
+    url = urls[0]
+
+    def init(**kw) -> httpx.Response:
+        body = {"master_address": "127.0.0.1", "master_port": str(free_port()), "world_size": 2}
+        body.update({"rank_offset": 1, "group_name": "lonely", **kw})
+        return post(url, "/init_weights_update_group", body)
+
+    assert_error(init(rank_offset=0), 400, "validation_error")  # rank 0 is the trainer
+    assert_error(init(backend="nccl"), 400, "validation_error")  # no CUDA here
+    t0 = time.monotonic()
+    call, result = started(init)
+    time.sleep(0.5)
+    assert_error(init(), 409, "conflict")  # the name is taken while it joins
+    assert httpx.get(url + "/health", timeout=2).status_code == 200  # the event loop is free
+    call.join(TIMEOUT_S + 10)
+    assert TIMEOUT_S - 1 < time.monotonic() - t0 < TIMEOUT_S + 5
+    assert_error(result["r"], 500, "internal_error")
+    assert_error(destroy(url, "lonely"), 400, "validation_error")  # nothing was left behind
 
 
 TRAINER = """
 import sys, time, torch, torch.distributed as dist
 from safetensors.torch import load_file
-from grctl.weights.distributed import create_group
+from grctl.weights.process_group import create_group
 port, ckpt = int(sys.argv[1]), sys.argv[2]
 state = load_file(ckpt + "/model.safetensors")
 print("ready", flush=True)  # imports done: the join below is quick
@@ -216,21 +237,14 @@ def test_trainer_that_dies_mid_broadcast(urls, ckpts, how):
     try:
         assert trainer.stdout.readline().strip() == "ready"
         init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1}
-        body = {**init, "world_size": 2}
-        reply = httpx.post(url + "/init_weights_update_group", json=body, timeout=30)
+        reply = post(url, "/init_weights_update_group", {**init, "world_size": 2})
         assert reply.status_code == 200, reply.text
         state = load_hf(new).state_dict()
         names = sorted(state)
         body = {"names": names, "dtypes": ["float32"] * len(names)}
         body["shapes"] = [list(state[n].shape) for n in names]
-        result: dict = {}
-        call = threading.Thread(
-            target=lambda: result.update(
-                r=httpx.post(url + "/update_weights_from_distributed", json=body, timeout=60)
-            )
-        )
-        call.start()
-        time.sleep(0.5)
+        call, result = started(lambda: post(url, "/update_weights_from_distributed", body))
+        time.sleep(0.5)  # the server has posted its receives
         trainer.stdin.write("go\n")
         trainer.stdin.flush()
         assert trainer.stdout.readline().strip() == "half"

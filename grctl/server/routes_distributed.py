@@ -19,7 +19,7 @@ from grctl.server.schemas_weights import (
     version_str,
 )
 from grctl.weights import distributed
-from grctl.weights.distributed import GroupRegistry
+from grctl.weights.process_group import GroupRegistry, check_init_args
 
 
 def groups(state: State) -> GroupRegistry:
@@ -38,7 +38,7 @@ async def init_weights_update_group(
     state: State, data: InitGroupBody | None = None
 ) -> SuccessResponse:
     body = data or InitGroupBody()
-    backend = distributed.check_init_args(
+    backend = check_init_args(
         state.engine.model,
         body.master_address,
         body.master_port,
