@@ -157,3 +157,26 @@ def test_library_from_a_separate_process(fleet, ckpts):
     num_buckets, version = proc.stdout.split()
     assert int(num_buckets) > 1 and version == "from-subprocess"
     assert served(url) == (hf_greedy(ckpts[1]), "from-subprocess")
+
+
+def test_partly_updated_server_stays_paused_and_never_serves_mixed_weights(ckpts, tmp_path):
+    """One server of two takes the first buckets, then refuses one (its MLP is another size):
+    its weights are partly new, so it is left paused with its old label; the other is resumed."""
+    other = write_checkpoint(tmp_path / "other", seed=2, intermediate_size=80)
+    with ExitStack() as stack:
+        good = start_servers(stack, 1, "--model-path", str(ckpts[0]), "--allow-weight-update")[0]
+        odd = start_servers(stack, 1, "--model-path", str(other), "--allow-weight-update")[0]
+        with pytest.raises(SyncError) as info:
+            with WeightSync([good.url, odd.url], bucket_mb=0.01, verify=False) as sync:
+                sync.run(ckpts[1], weight_version="next")
+        outcomes = {o.url: o for o in info.value.result.servers}
+        assert outcomes[good.url].ok and outcomes[good.url].resumed
+        bad = outcomes[odd.url]
+        assert bad.failed_stage == "push" and bad.num_buckets > 0 and not bad.resumed
+        assert "left paused" in str(info.value)
+        with GRClient(odd.url) as gr:
+            assert gr.get_weight_version().weight_version == "default"
+            with pytest.raises(Exception) as paused:
+                gr.generate(PROMPT, max_new_tokens=1)
+            assert getattr(paused.value, "code", "") == "paused"
+        assert served(good.url) == (hf_greedy(ckpts[1]), "next")

@@ -3,9 +3,10 @@
     result = WeightSync(["http://a:8000", "http://b:8000"]).run("/ckpt/step_7", weight_version=7)
 
 Every stage runs on all servers at once. A server that fails is dropped from the later stages
-but is still resumed; if it failed after some tensor chunks were applied, its version label is
-set back to the old one (its weights are then partly new: push again). The servers that did not
-fail go on to the end. If any server failed, SyncError is raised naming every server's outcome;
+but is still resumed, unless it failed after some tensor chunks were applied: its weights are
+then partly new, so it is left paused (it never serves them) with its old version label, and
+the error says to push again. The servers that did not fail go on to the end. If any server
+failed, SyncError is raised naming every server's outcome;
 its `result` is the same SyncResult a clean run returns.
 """
 
@@ -26,6 +27,10 @@ from grctl.errors import GrctlError, ValidationError
 from grctl.weights.checkpoint import Checkpoint
 
 TRANSPORTS = ("tensor", "disk")
+
+
+def is_partial(out: ServerOutcome) -> bool:
+    return out.failed_stage == "push" and out.num_buckets > 0
 
 
 class WeightSync:
@@ -117,7 +122,7 @@ class WeightSync:
             self._push(result, checkpoint, version, token_step)
             self._relabel_partial(result)
         finally:
-            self._resume(result, reached)
+            self._resume(result, [o for o in reached if not is_partial(o)])
         self._verify(result, checkpoint, version)
         result.timings["total"] = round(time.perf_counter() - t0, 4)
         if not result.ok:
@@ -191,16 +196,17 @@ class WeightSync:
         return on_bucket
 
     def _relabel_partial(self, result: SyncResult) -> None:
-        """A server that failed after taking some chunks keeps its old version label."""
+        """A server that failed after taking some chunks keeps its old label and stays paused."""
         for out in result.servers:
-            partial = out.failed_stage == "push" and out.num_buckets > 0
-            if partial and result.weight_version and out.old_version != result.weight_version:
+            if not is_partial(out):
+                continue
+            out.error += (
+                f"; {out.num_buckets} bucket(s) had been applied, so it is left paused (its "
+                "weights are partly new): push again, then /continue_generation"
+            )
+            if result.weight_version and out.old_version != result.weight_version:
                 try:
                     self.clients[out.url].update_weight_version(out.old_version)
-                    out.error += (
-                        f"; {out.num_buckets} bucket(s) had been applied: the version "
-                        f"label is back to {out.old_version!r}, push again"
-                    )
                 except Exception as exc:
                     out.error += f"; could not restore its version label ({exc})"
 
