@@ -105,28 +105,26 @@ print(json.dumps(log))
 """
 
 
-def run_client(script: str, *args: str, tmp_path: Path) -> str:
-    """Run a client process; its output goes to a file, since torch's shared-memory manager
-    (a grandchild that outlives it) would hold a pipe open."""
-    out_path = tmp_path / "client.out"
-    with open(out_path, "w") as out:
-        proc = subprocess.run(
-            [sys.executable, "-c", script, *args],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            timeout=120,
-            cwd=REPO_ROOT,
-            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-        )
-    text = out_path.read_text()
-    assert proc.returncode == 0, text
-    return text
+def run_client(script: str, *args: str) -> str:
+    """Run a client process and read its output through a pipe. (A CPU sender starts torch's
+    torch_shm_manager, which outlives it; grctl starts it detached from our stdout, else this
+    pipe would never close.)"""
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
 
 
 def test_slime_sequence_from_a_separate_process(http, srv, ckpts, tmp_path):
     restore(http, ckpts["base"])
     count = http.get("/get_weight_version").json()["weight_update_count"]
-    out = run_client(SLIME_CLIENT, srv.url, str(ckpts["new"]), "4", tmp_path=tmp_path)
+    out = run_client(SLIME_CLIENT, srv.url, str(ckpts["new"]), "4")
     log = json.loads(out.strip().splitlines()[-1])
     assert log[:2] == [200, 200] and log[2:-2] == [200] * 5 and log[-2] == 200
     assert log[-1]["weight_version"] == "7"

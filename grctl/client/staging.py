@@ -11,9 +11,6 @@ carries one shared-memory name or one CUDA IPC handle per bucket and no tensor b
 from __future__ import annotations
 
 import math
-import os
-import sys
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -78,40 +75,9 @@ def plan_buckets(
     return buckets
 
 
-_manager_lock = threading.Lock()
-_manager_started = False
-
-
-def start_shm_manager_detached() -> None:
-    """Start torch's torch_shm_manager daemon with stdout and stderr on /dev/null.
-
-    torch starts it on the first named shared-memory allocation, and it inherits our stdout and
-    stderr. It outlives this process (the server stays connected to it), so whoever reads our
-    output through a pipe (`grctl push | tee`, subprocess.run(capture_output=True)) would wait
-    for an EOF that never comes. Once started, the daemon serves this process until it exits.
-    """
-    global _manager_started
-    with _manager_lock:
-        if _manager_started:
-            return
-        sys.stdout.flush()
-        sys.stderr.flush()
-        saved, null = (os.dup(1), os.dup(2)), os.open(os.devnull, os.O_WRONLY)
-        try:
-            os.dup2(null, 1)
-            os.dup2(null, 2)
-            torch.empty(1, dtype=torch.uint8).untyped_storage()._share_filename_cpu_()
-        finally:
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            for fd in (*saved, null):
-                os.close(fd)
-        _manager_started = True
-
-
 def shared_buffer(nbytes: int) -> torch.Tensor:
     """A uint8 CPU tensor allocated in named POSIX shared memory (no copy into it later)."""
-    start_shm_manager_detached()
+    ipc.start_shm_manager_detached()
     new = getattr(torch.UntypedStorage, "_new_using_filename_cpu", None)
     if new is None:  # an older torch: allocate, then move into shared memory once
         return ipc.share_for_ipc(torch.empty(nbytes, dtype=torch.uint8))

@@ -18,7 +18,10 @@ import base64
 import binascii
 import io
 import math
+import os
 import pickle
+import sys
+import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from multiprocessing.reduction import ForkingPickler
@@ -36,6 +39,8 @@ from grctl.weights.unpickler import (
 )
 
 LOAD_FORMATS = ("flattened_bucket", "direct", None)
+_manager_lock = threading.Lock()
+_manager_started = False
 _ALLOWED_DTYPES = frozenset(DTYPES.values())
 
 
@@ -91,11 +96,39 @@ def _reduce_tensor(tensor: torch.Tensor):
     return rebuild, args
 
 
+def start_shm_manager_detached() -> None:
+    """Start torch's torch_shm_manager daemon with stdout and stderr on /dev/null.
+
+    torch starts it on the first named shared-memory allocation, and it inherits our stdout and
+    stderr. It outlives this process (the server stays connected to it), so whoever reads our
+    output through a pipe (`grctl push | tee`, subprocess.run(capture_output=True)) would wait
+    for an EOF that never comes. Once started, the daemon serves this process until it exits.
+    """
+    global _manager_started
+    with _manager_lock:
+        if _manager_started:
+            return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved, null = (os.dup(1), os.dup(2)), os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, 1)
+            os.dup2(null, 2)
+            torch.empty(1, dtype=torch.uint8).untyped_storage()._share_filename_cpu_()
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in (*saved, null):
+                os.close(fd)
+        _manager_started = True
+
+
 def _reduce_storage_by_name(storage: torch.UntypedStorage):
     # torch's file_system branch, whatever the process-wide sharing strategy: the receiver maps
     # the segment by name, where a file descriptor could not travel inside an HTTP body.
     if storage.device.type != "cpu":
         raise RuntimeError("only CPU storages are shared by name; send the tensor instead")
+    start_shm_manager_detached()
     manager, handle, size = storage._share_filename_cpu_()
     storage._shared_incref()  # keeps the segment alive if we drop it first; the receiver decrefs
     reductions.shared_cache[handle] = reductions.StorageWeakRef(storage)
@@ -150,6 +183,7 @@ def share_for_ipc(tensor: torch.Tensor) -> torch.Tensor:
     CUDA tensors need nothing. Keep the tensor alive until the receiver has replied.
     """
     if tensor.device.type == "cpu":
+        start_shm_manager_detached()
         tensor.untyped_storage()._share_filename_cpu_()
     return tensor
 
