@@ -454,6 +454,14 @@ def run_soak(cfg: SoakConfig, workdir: Path, ref: Reference | None = None) -> di
     if "Traceback" in log:
         violations.append("the server logged a traceback: " + log[log.index("Traceback") :][:2000])
     growth, bad = resource_growth(base or samples[0], samples[-1], cfg)
+    half = [s for s in samples if s["cycle"] >= (samples[0]["cycle"] + i) / 2] or samples
+    if half[-1]["cycle"] > half[0]["cycle"]:  # a leak keeps its slope; warm-up flattens out
+        growth["rss_anon_kb_per_1000_cycles_second_half"] = round(
+            1000
+            * (half[-1]["rss_anon_kb"] - half[0]["rss_anon_kb"])
+            / (half[-1]["cycle"] - half[0]["cycle"]),
+            1,
+        )
     violations += bad
     tally = asdict(checker.tally)
     tally.pop("violations")
