@@ -3,12 +3,18 @@
 Layouts: model.safetensors; shards listed by model.safetensors.index.json; pytorch_model.bin
 (or its shard index) and *.pt, loaded with weights_only=True and mmap. safetensors files are
 opened with `safe_open`, which checks that each file is as long as its header's offsets say,
-so a truncated file is refused at validation, before the first byte is copied.
+so a truncated file is refused at validation, before the first byte is copied. Their tensors are
+then read with pread through a descriptor opened at validation, never through a memory map: a
+file truncated after validation gives a short read (an OSError, so the update fails and the
+weights are marked inconsistent) where a mapped read would kill the server with SIGBUS; a file
+renamed over it is not seen; one rewritten in place is noticed by its size and mtime.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 
 from grctl.engine.model_config import ModelConfig
 from grctl.errors import ValidationError, WeightValidationError
-from grctl.weights import apply
+from grctl.weights import apply, faults
 from grctl.weights.apply import TensorSpec
 
 SAFETENSORS_DTYPES = {
@@ -54,6 +60,7 @@ class Checkpoint:
         self.files = self._weight_files()
         self._where: dict[str, Path] = {}
         self._handles: dict[Path, object] = {}
+        self._readers: dict[Path, PinnedSafetensors] = {}
         self._torch_state: dict[Path, dict[str, torch.Tensor]] = {}
 
     def _weight_files(self) -> list[Path]:
@@ -109,9 +116,11 @@ class Checkpoint:
         return specs
 
     def fetch(self, name: str) -> torch.Tensor:
+        faults.before_fetch(self)  # a no-op unless GRCTL_FAULT_READ_ERROR_AFTER is set (tests)
         file = self._where[name]
         if file.suffix == ".safetensors":
-            return self._open(file).get_tensor(name)
+            self._open(file)
+            return self._readers[file].read(name)
         return self._torch_file(file)[name]
 
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -119,6 +128,9 @@ class Checkpoint:
             yield spec.name, self.fetch(spec.name)
 
     def close(self) -> None:
+        for reader in self._readers.values():
+            reader.close()
+        self._readers.clear()
         self._handles.clear()
         self._torch_state.clear()
 
@@ -130,12 +142,19 @@ class Checkpoint:
 
     def _open(self, file: Path):
         if file not in self._handles:
+            reader = None
             try:
-                self._handles[file] = safe_open(str(file), framework="pt")
-            except (SafetensorError, OSError) as exc:
+                reader = PinnedSafetensors(file)
+                handle = safe_open(str(file), framework="pt")  # checks header and length
+                if not reader.is_same_file(file):
+                    raise OSError(errno.ESTALE, "the file was replaced while being opened")
+            except (SafetensorError, OSError, ValueError, KeyError, TypeError) as exc:
+                if reader is not None:
+                    reader.close()
                 raise WeightValidationError(
                     f"unreadable safetensors file {file.name}: {exc}"
                 ) from exc
+            self._handles[file], self._readers[file] = handle, reader
         return self._handles[file]
 
     @staticmethod
@@ -161,6 +180,56 @@ class Checkpoint:
                 raise WeightValidationError(f"{file.name} does not hold a state dict of tensors")
             self._torch_state[file] = state
         return self._torch_state[file]
+
+
+MAX_HEADER_BYTES = 100_000_000
+
+
+class PinnedSafetensors:
+    """One safetensors file, read with pread through the descriptor opened at validation."""
+
+    def __init__(self, file: Path):
+        self.name = file.name
+        self._fh = open(file, "rb", buffering=0)  # noqa: SIM115 (closed by close() or GC)
+        try:
+            st = os.fstat(self._fh.fileno())
+            self._stamp = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+            header_len = int.from_bytes(self._pread_exact(8, 0), "little")
+            if header_len > MAX_HEADER_BYTES:
+                raise ValueError(f"header of {header_len} bytes (safetensors allows 100 MB)")
+            self._header = json.loads(self._pread_exact(header_len, 8))
+            self._data_start = 8 + header_len
+        except BaseException:
+            self._fh.close()
+            raise
+
+    def is_same_file(self, file: Path) -> bool:
+        st = os.stat(file)
+        return (st.st_dev, st.st_ino) == self._stamp[:2]
+
+    def _pread_exact(self, size: int, offset: int) -> bytes:
+        data = os.pread(self._fh.fileno(), size, offset)
+        if len(data) != size:
+            raise OSError(errno.EIO, f"{self.name} is shorter than its header says")
+        return data
+
+    def read(self, name: str) -> torch.Tensor:
+        info = self._header[name]
+        start, end = info["data_offsets"]
+        buf = torch.empty(end - start, dtype=torch.uint8)
+        view, done = memoryview(buf.numpy()), 0
+        while done < len(view):
+            n = os.preadv(self._fh.fileno(), [view[done:]], self._data_start + start + done)
+            if n <= 0:
+                raise OSError(errno.EIO, f"{self.name} was truncated after validation")
+            done += n
+        st = os.fstat(self._fh.fileno())
+        if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != self._stamp:
+            raise OSError(errno.ESTALE, f"{self.name} was modified after validation")
+        return buf.view(SAFETENSORS_DTYPES[info["dtype"]]).reshape(info["shape"])
+
+    def close(self) -> None:
+        self._fh.close()
 
 
 def plan_checkpoint(model: torch.nn.Module, ckpt: Checkpoint) -> list[apply.Write]:
