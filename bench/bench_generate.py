@@ -80,35 +80,40 @@ def build(shape: dict, dtype: torch.dtype, device: str):
     return hf.to(device, dtype), ours.to(device, dtype)
 
 
-def timed(fn) -> tuple[float, object]:
-    t0 = time.perf_counter()
+def timed(fn) -> tuple[float, float, object]:
+    """-> (wall seconds, this process's CPU seconds over all its threads, fn's output)."""
+    w0, c0 = time.perf_counter(), time.process_time()
     out = fn()
-    return time.perf_counter() - t0, out
+    return time.perf_counter() - w0, time.process_time() - c0, out
 
 
 def interleaved(fns: dict, repeats: int) -> tuple[dict, dict]:
     """Run each fn once to warm up, then `repeats` rounds alternating between them, so load
-    from elsewhere on the machine hits both alike. -> ({name: [seconds]}, {name: last output})"""
+    from elsewhere on the machine hits both alike.
+    -> ({name: {"wall": [s], "cpu": [s]}}, {name: last output})"""
     outs = {name: fn() for name, fn in fns.items()}
-    times: dict = {name: [] for name in fns}
+    times: dict = {name: {"wall": [], "cpu": []} for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            seconds, outs[name] = timed(fn)
-            times[name].append(seconds)
+            wall, cpu, outs[name] = timed(fn)
+            times[name]["wall"].append(wall)
+            times[name]["cpu"].append(cpu)
     return times, outs
 
 
-def summary(hf_times: list[float], our_times: list[float]) -> dict:
-    """Best-of-N (the least disturbed run) and median; speedups are best-of over best-of."""
-    best_hf, best_ours = min(hf_times), min(our_times)
-    return {
-        "transformers_ms": round(best_hf * 1e3, 1),
-        "grctl_ms": round(best_ours * 1e3, 1),
-        "speedup": round(best_hf / best_ours, 2),
-        "transformers_median_ms": round(statistics.median(hf_times) * 1e3, 1),
-        "grctl_median_ms": round(statistics.median(our_times) * 1e3, 1),
-        "speedup_median": round(statistics.median(hf_times) / statistics.median(our_times), 2),
-    }
+def summary(hf: dict, ours: dict) -> dict:
+    """Wall time best-of-N (the least disturbed run) and median, and CPU time best-of-N (less
+    sensitive to other load on a shared machine); each with transformers / grctl."""
+    out = {}
+    for key, pick in (("", min), ("median_", statistics.median)):
+        a, b = pick(hf["wall"]), pick(ours["wall"])
+        out[f"transformers_{key}ms"] = round(a * 1e3, 1)
+        out[f"grctl_{key}ms"] = round(b * 1e3, 1)
+        out[f"speedup{'_' + key[:-1] if key else ''}"] = round(a / b, 2)
+    a, b = min(hf["cpu"]), min(ours["cpu"])
+    out.update(transformers_cpu_ms=round(a * 1e3, 1), grctl_cpu_ms=round(b * 1e3, 1))
+    out["speedup_cpu"] = round(a / b, 2)
+    return out
 
 
 def hf_generate(hf, ids: list[int], width: int) -> list[int]:
@@ -177,7 +182,7 @@ def main() -> None:
             engine.result(rid)
 
     burst_times, _ = interleaved({"burst": burst}, args.repeats)
-    burst_s = min(burst_times["burst"])
+    burst_s = min(burst_times["burst"]["wall"])
     hf_rps = 1e3 / report["latency"][f"beam_{width_max}"]["transformers_ms"]
     concurrent = preset["concurrent"]
     report[f"throughput_beam_{width_max}"] = {
