@@ -36,6 +36,7 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
+from grctl.weights.checker import tensor_sha256
 from tests.checkpoints import hf_config, load_hf
 from tests.serverproc import REPO_ROOT, assert_error, running_server, stop
 from tests.weight_helpers import served_sha256
@@ -95,8 +96,6 @@ class Ckpt:
 
 
 def reference(path: Path) -> Ckpt:
-    from grctl.weights.checker import tensor_sha256
-
     hf = load_hf(path)
     sums = {n: tensor_sha256(t) for n, t in hf.state_dict().items()}
     with torch.no_grad():
@@ -113,13 +112,8 @@ def reference(path: Path) -> Ckpt:
 @pytest.fixture(scope="module")
 def big(tmp_path_factory) -> dict[str, Ckpt]:
     root = tmp_path_factory.mktemp("faults")
-    refs = {
-        name: reference(write_big_checkpoint(root / name, seed))
-        for name, seed in (
-            ("base", 31),
-            ("new", 32),
-        )
-    }
+    seeds = {"base": 31, "new": 32}
+    refs = {name: reference(write_big_checkpoint(root / name, s)) for name, s in seeds.items()}
     assert refs["base"].greedy != refs["new"].greedy
     (root / "faulty").mkdir()
     return {**refs, "root": root}
@@ -177,6 +171,10 @@ def mapped(pid: int, needle: str) -> bool:
             return needle in fh.read()
     except OSError:  # the process is gone
         return False
+
+
+def shm_segments_of(pid: int) -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"torch_{pid}_")]
 
 
 def wait_until(pred, timeout: float, what: str, interval: float = 0.001) -> None:
@@ -249,6 +247,7 @@ print("finished", flush=True)
 def start_client(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, Path]:
     """The trainer, as its own process; its output goes to a file (torch_shm_manager, which it
     spawns, would hold a pipe open)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     out_path = tmp_path / "client.out"
     with open(out_path, "w") as out:
         proc = subprocess.Popen(
@@ -305,16 +304,16 @@ def test_trainer_killed_between_chunks(http, srv, big, tmp_path):
     assert sums == {n: (new if n in applied else base).sums[n] for n in base.sums}
     # The label came with the first chunk (chunks are independent, as in SGLang).
     assert http.get("/get_weight_version").json()["weight_version"] == "new-partial"
-    assert not mapped(
-        srv.proc.pid, "/dev/shm/torch_"
-    )  # the server keeps no segment of the dead client
+    assert not mapped(srv.proc.pid, "/dev/shm/torch_")  # the server keeps no segment mapped
+    assert shm_segments_of(proc.pid) == []  # nor does /dev/shm: no bucket was in flight
     # The next full sync restores exactly one checkpoint.
     load(http, new, "new")
     assert_serves(http, new, "new")
 
 
-@pytest.mark.parametrize("when", ["server_reading_the_chunk", "just_posted"])
-def test_trainer_killed_while_a_chunk_is_in_flight(http, srv, big, tmp_path, when):
+def push_and_kill(http, srv, big, tmp_path: Path, when: str) -> bool:
+    """One single-chunk push whose trainer is SIGKILLed; checks all-or-nothing. Returns whether
+    the kill came before the reply (the case under test)."""
     base, new = big["base"], big["new"]
     load(http, base, "base")
     count = http.get("/get_weight_version").json()["weight_update_count"]
@@ -326,8 +325,7 @@ def test_trainer_killed_while_a_chunk_is_in_flight(http, srv, big, tmp_path, whe
             wait_until(lambda: mapped(srv.proc.pid, needle) or proc.poll() is not None, 60, needle)
     finally:
         kill(proc)
-    acknowledged = any(line.startswith("done 0") for line in client_lines(out))
-    assert not acknowledged, "the kill came after the reply: the test lost its race"
+    in_flight = not any(line.startswith("done 0") for line in client_lines(out))
 
     def settled() -> bool:  # the server finishes (or drops) the chunk on its own
         return http.post("/flush_cache").status_code in (200, 400) and not mapped(
@@ -335,6 +333,10 @@ def test_trainer_killed_while_a_chunk_is_in_flight(http, srv, big, tmp_path, whe
         )
 
     wait_until(settled, 60, "the server to let go of the chunk", interval=0.05)
+    # Known limit: the dead trainer never drops its own reference to its bucket, and the server
+    # stays connected to the trainer's torch_shm_manager, so that one segment stays in /dev/shm
+    # until the server exits. Nothing more than the bucket in flight.
+    assert len(shm_segments_of(proc.pid)) <= 1
     time.sleep(0.5)
     v = http.get("/get_weight_version").json()
     sums = served_sha256(http)
@@ -348,10 +350,21 @@ def test_trainer_killed_while_a_chunk_is_in_flight(http, srv, big, tmp_path, whe
     assert http.get("/health").json() == {"ok": True}
     http.post("/continue_generation")
     expected = new if sums == new.sums else base
-    out_ids = generate(http).json()["output_ids"]
-    assert out_ids == expected.greedy
-    load(http, base, "base")
-    assert_serves(http, base, "base")
+    assert generate(http).json()["output_ids"] == expected.greedy
+    return in_flight
+
+
+@pytest.mark.parametrize("when", ["server_reading_the_chunk", "just_posted"])
+def test_trainer_killed_while_a_chunk_is_in_flight(http, srv, big, tmp_path, when):
+    # The reply may beat the kill on a loaded machine: then the chunk must be whole, and we try
+    # again for a kill that lands in flight.
+    for attempt in range(3):
+        if push_and_kill(http, srv, big, tmp_path / str(attempt), when):
+            break
+    else:
+        raise AssertionError("every kill came after the server's reply")
+    load(http, big["base"], "base")
+    assert_serves(http, big["base"], "base")
 
 
 # ---- (b) a checkpoint changed between validation and copy ---------------------------------
@@ -384,12 +397,10 @@ def change_last_shard(shard: Path, how: str) -> None:
         os.replace(tmp, shard)
 
 
-@pytest.mark.parametrize("how", ["truncated_in_place", "rewritten_in_place", "replaced"])
-def test_checkpoint_changed_between_validation_and_copy(http, srv, big, tmp_path, how):
-    base, new = big["base"], big["new"]
-    load(http, base, "base")
+def change_during_update(http, srv, big, how: str, attempt: int) -> httpx.Response:
+    load(http, big["base"], "base")
     http.post("/pause_generation", json={"mode": "abort"})
-    victim = copy_checkpoint(new.path, big["root"] / f"victim-{how}")
+    victim = copy_checkpoint(big["new"].path, big["root"] / f"victim-{how}-{attempt}")
     shard = victim / LAST_SHARD
     update = start_update(srv, victim, "victim")
     # Validation opens (maps) every shard before the first copy; the big shards come first.
@@ -400,10 +411,26 @@ def test_checkpoint_changed_between_validation_and_copy(http, srv, big, tmp_path
     assert isinstance(resp, httpx.Response), f"the server died: {resp!r}\n{srv.log_text()[-3000:]}"
     assert srv.proc.poll() is None and http.get("/health").status_code == 200
     http.post("/continue_generation")
-    if how == "replaced":  # the server reads the file it validated: the whole old checkpoint
-        assert resp.status_code == 200, resp.text
+    return resp
+
+
+@pytest.mark.parametrize("how", ["truncated_in_place", "rewritten_in_place", "replaced"])
+def test_checkpoint_changed_between_validation_and_copy(http, srv, big, tmp_path, how):
+    new = big["new"]
+    for attempt in range(3):
+        resp = change_during_update(http, srv, big, how, attempt)
+        if resp.status_code == 400:  # changed before validation ended: refused, nothing written
+            assert_error(resp, 400, "validation_error")
+            assert_serves(http, big["base"], "base")
+            continue
+        if resp.status_code != 200:
+            break
+        # The server read the file it validated (a rename is never seen; an in-place change
+        # that came after the last read is not in the weights): the whole old checkpoint.
         assert_serves(http, new, "victim")
-    else:  # it notices mid-copy: refuses to generate until a good update
+        if how == "replaced":
+            break
+    if how != "replaced":  # it notices mid-copy and refuses to generate until a good update
         err = assert_error(resp, 500, "internal_error")
         assert resp.json()["success"] is False and "weight copy failed" in err["message"]
         ready = http.get("/ready")
