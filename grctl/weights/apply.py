@@ -127,8 +127,15 @@ def _covers(ranges: list[tuple[int, int]], num_rows: int) -> bool:
     return end >= num_rows
 
 
-def copy(writes: list[Write], fetch: Callable[[str], torch.Tensor]) -> int:
+def copy(
+    writes: list[Write],
+    fetch: Callable[[str], torch.Tensor],
+    read_into: Callable[[str, torch.Tensor], bool] | None = None,
+) -> int:
     """Copy each planned tensor into the live model, fetching one at a time. Returns the count.
+
+    `read_into(name, dst)`, when given, may fill `dst` itself (a file read straight into the
+    parameter: no staging buffer) and return True; else the tensor is fetched and copied.
 
     A fetched tensor whose shape no longer matches its plan (a file changed since validation)
     raises WeightCopyError: some parameters may already hold new values, and the caller must
@@ -137,6 +144,9 @@ def copy(writes: list[Write], fetch: Callable[[str], torch.Tensor]) -> int:
     done = 0
     try:
         for w in writes:
+            if read_into is not None and read_into(w.name, w.dst):
+                done += 1
+                continue
             src = fetch(w.name)
             if tuple(src.shape) != tuple(w.dst.shape):
                 raise WeightValidationError(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -123,6 +124,15 @@ class Checkpoint:
             return self._readers[file].read(name)
         return self._torch_file(file)[name]
 
+    def read_into(self, name: str, dst: torch.Tensor) -> bool:
+        """Read a tensor straight into `dst` when it needs no conversion; False: use fetch."""
+        file = self._where[name]
+        if file.suffix != ".safetensors":
+            return False
+        faults.before_fetch(self)
+        self._open(file)
+        return self._readers[file].read_into(name, dst)
+
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for spec in self.specs():
             yield spec.name, self.fetch(spec.name)
@@ -144,8 +154,8 @@ class Checkpoint:
         if file not in self._handles:
             reader = None
             try:
-                reader = PinnedSafetensors(file)
                 handle = safe_open(str(file), framework="pt")  # checks header and length
+                reader = PinnedSafetensors(file, handle)
                 if not reader.is_same_file(file):
                     raise OSError(errno.ESTALE, "the file was replaced while being opened")
             except (SafetensorError, OSError, ValueError, KeyError, TypeError) as exc:
@@ -182,23 +192,33 @@ class Checkpoint:
         return self._torch_state[file]
 
 
-MAX_HEADER_BYTES = 100_000_000
-
-
 class PinnedSafetensors:
-    """One safetensors file, read with pread through the descriptor opened at validation."""
+    """One safetensors file, read with pread through a descriptor opened at validation.
 
-    def __init__(self, file: Path):
+    Each tensor's byte range comes from the `safe_open` handle, not from parsing the header
+    ourselves: safetensors stores the tensors back to back at the end of the file, with no
+    holes (safe_open refuses a file that is not fully covered), in `offset_keys()` order, so a
+    tensor's offset is the file size less the data's total size plus the sizes before it.
+    """
+
+    def __init__(self, file: Path, handle):
         self.name = file.name
         self._fh = open(file, "rb", buffering=0)  # noqa: SIM115 (closed by close() or GC)
         try:
             st = os.fstat(self._fh.fileno())
             self._stamp = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-            header_len = int.from_bytes(self._pread_exact(8, 0), "little")
-            if header_len > MAX_HEADER_BYTES:
-                raise ValueError(f"header of {header_len} bytes (safetensors allows 100 MB)")
-            self._header = json.loads(self._pread_exact(header_len, 8))
-            self._data_start = 8 + header_len
+            self.ranges: dict[str, tuple[int, int, torch.dtype, list[int]]] = {}
+            sizes = []
+            for name in handle.offset_keys():
+                sl = handle.get_slice(name)
+                dtype = SAFETENSORS_DTYPES.get(sl.get_dtype(), torch.uint8)
+                shape = list(sl.get_shape())
+                nbytes = math.prod(shape) * dtype.itemsize
+                sizes.append((name, nbytes, dtype, shape))
+            offset = st.st_size - sum(n for _, n, _, _ in sizes)
+            for name, nbytes, dtype, shape in sizes:
+                self.ranges[name] = (offset, nbytes, dtype, shape)
+                offset += nbytes
         except BaseException:
             self._fh.close()
             raise
@@ -207,26 +227,32 @@ class PinnedSafetensors:
         st = os.stat(file)
         return (st.st_dev, st.st_ino) == self._stamp[:2]
 
-    def _pread_exact(self, size: int, offset: int) -> bytes:
-        data = os.pread(self._fh.fileno(), size, offset)
-        if len(data) != size:
-            raise OSError(errno.EIO, f"{self.name} is shorter than its header says")
-        return data
-
     def read(self, name: str) -> torch.Tensor:
-        info = self._header[name]
-        start, end = info["data_offsets"]
-        buf = torch.empty(end - start, dtype=torch.uint8)
-        view, done = memoryview(buf.numpy()), 0
+        offset, nbytes, dtype, shape = self.ranges[name]
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        self._read_exact(buf, offset)
+        return buf.view(dtype).reshape(shape)
+
+    def read_into(self, name: str, dst: torch.Tensor) -> bool:
+        """Read straight into `dst` (a live parameter view) when no conversion is needed."""
+        offset, nbytes, dtype, shape = self.ranges[name]
+        if dst.device.type != "cpu" or dst.dtype != dtype or not dst.is_contiguous():
+            return False
+        if list(dst.shape) != shape:
+            return False
+        self._read_exact(dst.view(-1).view(torch.uint8), offset)
+        return True
+
+    def _read_exact(self, out: torch.Tensor, offset: int) -> None:
+        view, done = memoryview(out.numpy()), 0
         while done < len(view):
-            n = os.preadv(self._fh.fileno(), [view[done:]], self._data_start + start + done)
+            n = os.preadv(self._fh.fileno(), [view[done:]], offset + done)
             if n <= 0:
                 raise OSError(errno.EIO, f"{self.name} was truncated after validation")
             done += n
         st = os.fstat(self._fh.fileno())
         if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != self._stamp:
             raise OSError(errno.ESTALE, f"{self.name} was modified after validation")
-        return buf.view(SAFETENSORS_DTYPES[info["dtype"]]).reshape(info["shape"])
 
     def close(self) -> None:
         self._fh.close()
@@ -241,3 +267,8 @@ def plan_checkpoint(model: torch.nn.Module, ckpt: Checkpoint) -> list[apply.Writ
             "checkpoint structure does not match the served model: " + "; ".join(mismatches)
         )
     return apply.plan(model, ckpt.specs(), require_full=True)
+
+
+def copy_checkpoint(writes: list[apply.Write], ckpt: Checkpoint) -> int:
+    """Stream a validated checkpoint into the live model, reading in place where it can."""
+    return apply.copy(writes, ckpt.fetch, read_into=ckpt.read_into)

@@ -22,6 +22,7 @@ def update_from_disk(
         return updater.run(
             lambda: plan_checkpoint(model, ckpt),
             ckpt.fetch,
+            read_into=ckpt.read_into,
             weight_version=weight_version,
             token_step=token_step,
             flush_cache=flush_cache,

@@ -14,8 +14,7 @@ import torch
 from grctl.engine.model_config import ModelConfig
 from grctl.engine.qwen3 import Qwen3ForCausalLM
 from grctl.errors import ValidationError
-from grctl.weights import apply
-from grctl.weights.checkpoint import Checkpoint, plan_checkpoint
+from grctl.weights.checkpoint import Checkpoint, copy_checkpoint, plan_checkpoint
 
 DTYPES = {
     "float32": torch.float32,
@@ -74,7 +73,7 @@ def empty_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> Q
 
 def load_checkpoint_into(model: Qwen3ForCausalLM, ckpt: Checkpoint) -> int:
     """Validate a whole checkpoint against the live model from headers, then stream it in."""
-    return apply.copy(plan_checkpoint(model, ckpt), ckpt.fetch)
+    return copy_checkpoint(plan_checkpoint(model, ckpt), ckpt)
 
 
 def load_model(

@@ -58,6 +58,7 @@ class WeightUpdater:
         validate: Callable[[], list[Write]],
         fetch: Callable[[str], torch.Tensor],
         *,
+        read_into: Callable[[str, torch.Tensor], bool] | None = None,
         weight_version: str | None,
         token_step: int | str | None = None,
         flush_cache: bool = True,
@@ -70,7 +71,7 @@ class WeightUpdater:
             writes = validate()
             with self.engine.exclusive(abort_all_requests) as num_aborted:
                 try:
-                    loaded = apply.copy(writes, fetch) if writes else 0
+                    loaded = apply.copy(writes, fetch, read_into) if writes else 0
                 except WeightCopyError:
                     self.engine.set_weights_state(None, consistent=False)
                     raise
