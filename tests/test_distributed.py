@@ -129,7 +129,7 @@ def test_full_broadcast_to_two_servers(urls, ckpts, load_format, seed, dtype):
         stats = wb.send(state.items(), weight_version=f"seed{seed}")
         assert stats["buckets"] > 1 and stats["tensors"] == len(state)
         for url in urls:  # destroy answers 200 on every server
-            assert destroy(url).json() == {"success": True, "message": ANY}
+            assert destroy(url, wb.name).json() == {"success": True, "message": ANY}
         dist.destroy_process_group(wb.pg)
         wb.pg = None
     if dtype:  # the reference generates from the same bf16-rounded weights the servers got
@@ -164,7 +164,8 @@ def test_invalid_requests_are_refused_without_joining(urls, ckpts):
     url, state = urls[0], load_hf(ckpts["seed1"]).state_dict()
     name = "model.layers.0.self_attn.q_proj.weight"
     good = {"names": [name], "dtypes": ["float32"], "shapes": [list(state[name].shape)]}
-    with WeightBroadcaster(urls, timeout_s=30) as wb:
+    with WeightBroadcaster(urls, timeout_s=TIMEOUT_S) as wb:
+        good["group_name"] = wb.name
         for bad in [
             {"names": ["model.layers.9.mlp.up_proj.weight"]},  # a layer the model lacks
             {"dtypes": ["bfloat17"]},
@@ -181,7 +182,13 @@ def test_invalid_requests_are_refused_without_joining(urls, ckpts):
         # The collective sequence is intact: a real update still lines up on both servers.
         wb.send(state.items())
         assert checksums(url) == expected_sums(state, checksums(url))
-    assert_error(destroy(url), 400, "validation_error")  # already destroyed by the broadcaster
+        # Our own broadcaster, refused: it fails at once, and the group is broken for good.
+        t0 = time.monotonic()
+        with pytest.raises(ValidationError, match="unknown tensor"):
+            wb.send([("model.layers.9.mlp.up_proj.weight", torch.zeros(96, 64))])
+        assert wb.is_broken and time.monotonic() - t0 < TIMEOUT_S - 1
+    assert time.monotonic() - t0 < TIMEOUT_S - 1  # close() did not wait for the lost broadcast
+    assert_error(destroy(url, wb.name), 400, "validation_error")  # destroyed by close()
 
 
 def test_init_refuses_bad_args_and_times_out_without_a_trainer(urls):

@@ -12,6 +12,7 @@ new one before sending again.
 
 from __future__ import annotations
 
+import secrets
 import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -21,12 +22,30 @@ import torch
 import torch.distributed as dist
 
 from grctl.client.http import ClientTimeout, GRClient
-from grctl.client.routes import GROUP
 from grctl.errors import GrctlError, ValidationError
 from grctl.weights.process_group import DEFAULT_TIMEOUT_S, create_group
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
+# Broken groups whose lost broadcast is still pending. torch's destroy blocks until it times out
+# (and, tried in a daemon thread, stalled the caller too), so each waits here to be destroyed later.
+_GRAVEYARD: list[tuple[str, dist.ProcessGroup, list[dist.Work]]] = []
+
+
+def reap(name: str | None = None, timeout: float = 0.0) -> None:
+    """Destroy every broken group whose broadcast has ended; wait up to `timeout` for `name`."""
+    deadline = time.monotonic() + timeout
+    for entry in list(_GRAVEYARD):
+        group_name, pg, works = entry
+        while group_name == name and not is_done(works) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if is_done(works):
+            _GRAVEYARD.remove(entry)
+            dist.destroy_process_group(pg)
+
+
+def is_done(works: list[dist.Work]) -> bool:
+    return all(w.is_completed() for w in works)
 
 
 def free_port() -> int:
@@ -57,14 +76,16 @@ class WeightBroadcaster:
         *,
         master_address: str = "127.0.0.1",
         master_port: int | None = None,
-        group_name: str = GROUP,
+        group_name: str | None = None,
         backend: str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         load_format: str | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         api_key: str | None = None,
     ):
-        """master_address must be this machine's address as the servers reach it.
+        """master_address must be this machine's address as the servers reach it. group_name
+        None picks a fresh name per group, so a broken group still timing out never blocks the
+        next one (a fixed name, such as SGLang's "weight_update_group", waits for it).
 
         load_format None (SGLang's default) broadcasts each tensor; "flattened_bucket" one uint8
         tensor per bucket, which costs a copy of the bucket here (5x slower over gloo on the CPU)
@@ -73,25 +94,29 @@ class WeightBroadcaster:
         self.clients = [GRClient(u, api_key=api_key, update_timeout=timeout_s + 60) for u in urls]
         self.master_address, self.master_port = master_address, master_port
         self.group_name, self.timeout_s = group_name, timeout_s
+        self.name = group_name  # this group's name once init_group() picks it
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.device = torch.device("cuda" if self.backend == "nccl" else "cpu")
         self.load_format, self.bucket_bytes = load_format, bucket_bytes
         self.pg: dist.ProcessGroup | None = None
         self.is_broken = False
+        self._works: list[dist.Work] = []  # the last bucket's broadcasts
         self._pool = ThreadPoolExecutor(len(self.clients) + 1, thread_name_prefix="grctl-bcast")
 
     def init_group(self) -> None:
         """Every server's blocking init call at once, then join as rank 0 beside them."""
+        self.name = self.group_name or f"grctl-{secrets.token_hex(4)}"
+        reap(self.name, self.timeout_s + 10)
         port = self.master_port or free_port()
         world, addr = 1 + len(self.clients), self.master_address
         calls = [
             self._pool.submit(
-                c.init_weights_update_group, addr, port, 1 + i, world, self.group_name, self.backend
+                c.init_weights_update_group, addr, port, 1 + i, world, self.name, self.backend
             )
             for i, c in enumerate(self.clients)
         ]
         join = self._pool.submit(
-            create_group, self.backend, addr, port, world, 0, self.group_name, self.timeout_s
+            create_group, self.backend, addr, port, world, 0, self.name, self.timeout_s
         )
         self._wait(calls, join.done)
         self.pg, self.is_broken = join.result(), False
@@ -107,7 +132,7 @@ class WeightBroadcaster:
         Only the last call sets weight_version and flush_cache. Returns counts and seconds."""
         if self.pg is None or self.is_broken:
             raise ValidationError(
-                f"weight update group {self.group_name!r} is not usable",
+                f"weight update group {self.name!r} is not usable",
                 hint="call init_group() (after destroy() if a send failed)",
             )
         t0, num_tensors, num_bytes, num_buckets = time.perf_counter(), 0, 0, 0
@@ -132,7 +157,7 @@ class WeightBroadcaster:
                 names,
                 [str(t.dtype) for t in tensors],
                 [list(t.shape) for t in tensors],
-                group_name=self.group_name,
+                group_name=self.name,
                 load_format=self.load_format,
                 weight_version=weight_version,
                 flush_cache=flush_cache,
@@ -142,8 +167,8 @@ class WeightBroadcaster:
         if self.load_format == "flattened_bucket":
             # grctl's FlattenedTensorBucket layout: each tensor's bytes in order, no padding.
             tensors = [torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])]
-        works = [dist.broadcast(t, src=0, group=self.pg, async_op=True) for t in tensors]
-        self._wait(calls, lambda: all(w.is_completed() for w in works))
+        self._works = works = [dist.broadcast(t, 0, group=self.pg, async_op=True) for t in tensors]
+        self._wait(calls, lambda: is_done(works))
         for w in works:
             w.wait()  # raises the broadcast's own error, if it had one
 
@@ -159,20 +184,22 @@ class WeightBroadcaster:
                 if len(done) == len(calls) and is_local_done():
                     return
                 if time.monotonic() > deadline:
-                    raise ClientTimeout(f"group {self.group_name!r}: no progress in time")
+                    raise ClientTimeout(f"group {self.name!r}: no progress in time")
         except BaseException:
             self.is_broken = True
             raise
 
     def destroy(self) -> None:
         """Destroy the group on every server (one that already dropped it is fine), then here."""
-        calls = [
-            self._pool.submit(c.destroy_weights_update_group, self.group_name) for c in self.clients
-        ]
+        if self.name is None:
+            return
+        calls = [self._pool.submit(c.destroy_weights_update_group, self.name) for c in self.clients]
         errors = [f.exception() for f in calls]
-        if self.pg is not None:
-            dist.destroy_process_group(self.pg)
-            self.pg = None
+        pg, self.pg = self.pg, None
+        if pg is not None and not is_done(self._works):
+            _GRAVEYARD.append((self.name, pg, self._works))
+        elif pg is not None:
+            dist.destroy_process_group(pg)
         failed = [e for e in errors if e is not None and not isinstance(e, ValidationError)]
         if failed:
             raise failed[0]
