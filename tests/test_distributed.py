@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 from subprocess import PIPE
@@ -30,6 +30,7 @@ pytestmark = pytest.mark.timeout(120)
 TIMEOUT_S = 4  # GR_DIST_TIMEOUT_S of the servers: the receive timeout the tests wait out
 ENV = {"GR_DIST_TIMEOUT_S": str(TIMEOUT_S)}
 PROMPT, MAX_NEW = [3, 1, 4, 1, 5], 5
+THREADS = ThreadPoolExecutor(4)  # for HTTP calls that must be in flight while the test acts
 
 
 @pytest.fixture(scope="module")
@@ -67,16 +68,8 @@ def greedy(url: str) -> list[int]:
     return post(url, "/generate", {"input_ids": PROMPT, "sampling_params": sp}).json()["output_ids"]
 
 
-def destroy(url: str, group_name: str = "weight_update_group") -> httpx.Response:
+def destroy(url: str, group_name: str) -> httpx.Response:
     return post(url, "/destroy_weights_update_group", {"group_name": group_name})
-
-
-def started(fn) -> tuple[threading.Thread, dict]:
-    """fn() running in a thread; its return value lands in result["r"]."""
-    result: dict = {}
-    thread = threading.Thread(target=lambda: result.update(r=fn()))
-    thread.start()
-    return thread, result
 
 
 def hf_greedy(hf) -> list[int]:
@@ -202,13 +195,12 @@ def test_init_refuses_bad_args_and_times_out_without_a_trainer(urls):
     assert_error(init(rank_offset=0), 400, "validation_error")  # rank 0 is the trainer
     assert_error(init(backend="nccl"), 400, "validation_error")  # no CUDA here
     t0 = time.monotonic()
-    call, result = started(init)
+    call = THREADS.submit(init)
     time.sleep(0.5)
     assert_error(init(), 409, "conflict")  # the name is taken while it joins
     assert httpx.get(url + "/health", timeout=2).status_code == 200  # the event loop is free
-    call.join(TIMEOUT_S + 10)
+    assert_error(call.result(TIMEOUT_S + 10), 500, "internal_error")
     assert TIMEOUT_S - 1 < time.monotonic() - t0 < TIMEOUT_S + 5
-    assert_error(result["r"], 500, "internal_error")
     assert_error(destroy(url, "lonely"), 400, "validation_error")  # nothing was left behind
 
 
@@ -244,17 +236,17 @@ def test_trainer_that_dies_mid_broadcast(urls, ckpts, how):
         names = sorted(state)  # the trainer's order
         shapes = [list(state[n].shape) for n in names]
         body = {"names": names, "dtypes": ["float32"] * len(names), "shapes": shapes}
-        call, result = started(lambda: post(url, "/update_weights_from_distributed", body))
+        call = THREADS.submit(post, url, "/update_weights_from_distributed", body)
         time.sleep(0.5)  # the server has posted its receives
         print("go", file=trainer.stdin, flush=True)
         assert trainer.stdout.readline().strip() == "half"
         t0 = time.monotonic()
         if how == "killed":
             trainer.kill()
-        call.join(TIMEOUT_S + 10)
-        assert not call.is_alive() and time.monotonic() - t0 < TIMEOUT_S + 5
-        assert_error(result["r"], 500, "internal_error")
-        assert "unchanged" in result["r"].json()["error"]["message"]
+        reply = call.result(TIMEOUT_S + 10)
+        assert time.monotonic() - t0 < TIMEOUT_S + 5
+        assert_error(reply, 500, "internal_error")
+        assert "unchanged" in reply.json()["error"]["message"]
     finally:
         trainer.kill()
         trainer.wait()
