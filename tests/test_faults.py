@@ -14,7 +14,16 @@ Tensor chunks are applied independently as they arrive (the protocol, as in SGLa
 that dies between chunks leaves the chunks it sent applied and the label it sent with them, with
 the server paused (nobody resumes it). What is true, and asserted: exactly the acknowledged chunks
 are new, nothing else, generation stays refused (paused), and the next full sync restores exactly
-the checkpoint. A single chunk is applied whole or not at all, even if the trainer dies mid-call.
+the checkpoint. A single chunk is applied whole or not at all, even if the trainer dies mid-call:
+nothing when it dies halfway through sending the body, all of it once the server has the body
+(it reads the trainer's shared memory, which outlives the trainer while mapped).
+
+Disk faults: the last shard truncated or rewritten in place after validation fails the copy (500,
+then 503 weights_inconsistent until a good update); one renamed over is never seen (the server
+reads the file it validated). A read error mid-copy comes from the server's test hook
+(GRCTL_FAULT_READ_ERROR_AFTER, grctl/weights/faults.py), armed only for checkpoints under
+faulty/. SIGTERM mid-update: the update finishes, the server exits, a restart serves
+--model-path. The variant paused in_place waits out the 30 s drain: slow, GRCTL_RUN_SLOW=1.
 """
 
 from __future__ import annotations
@@ -219,6 +228,7 @@ import httpx
 from safetensors.torch import load_file
 from grctl.weights.ipc import encode_bucket
 url, ckpt, num_chunks, stop_before = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+stall_mid_body = sys.argv[5:] == ["stall_mid_body"]
 named = []
 for f in sorted(Path(ckpt).glob("*.safetensors")):
     named += sorted(load_file(f).items())
@@ -235,9 +245,19 @@ with httpx.Client(base_url=url, timeout=120) as c:
         keep = []
         entry = encode_bucket(chunk, keep_alive=keep)
         print("posting", i, json.dumps([n for n, _ in chunk]), flush=True)
-        r = c.post("/update_weights_from_tensor", json={
+        body = json.dumps({
             "serialized_named_tensors": [entry], "load_format": "flattened_bucket",
-            "flush_cache": False, "weight_version": "new-partial"})
+            "flush_cache": False, "weight_version": "new-partial"}).encode()
+
+        def parts():  # a chunked upload; stalling sends only its first half
+            yield body[: len(body) // 2]
+            if stall_mid_body:
+                print("half sent", flush=True)
+                time.sleep(3600)
+            yield body[len(body) // 2:]
+
+        r = c.post("/update_weights_from_tensor", content=parts(),
+                   headers={"content-type": "application/json"})
         print("done", i, r.status_code, flush=True)
         del keep
 print("finished", flush=True)
@@ -317,9 +337,9 @@ def push_and_kill(http, srv, big, tmp_path: Path, when: str) -> bool:
     base, new = big["base"], big["new"]
     load(http, base, "base")
     count = http.get("/get_weight_version").json()["weight_update_count"]
-    proc, out = start_client(tmp_path, srv.url, str(new.path), "1", "-1")
+    proc, out = start_client(tmp_path, srv.url, str(new.path), "1", "-1", when)
     try:
-        wait_for_line(proc, out, "posting 0")
+        wait_for_line(proc, out, "half sent" if when == "stall_mid_body" else "posting 0")
         if when == "server_reading_the_chunk":  # the server mapped the trainer's bucket
             needle = f"/dev/shm/torch_{proc.pid}_"
             wait_until(lambda: mapped(srv.proc.pid, needle) or proc.poll() is not None, 60, needle)
@@ -343,6 +363,8 @@ def push_and_kill(http, srv, big, tmp_path: Path, when: str) -> bool:
     time.sleep(0.5)
     assert served_sha256(http) == sums and http.get("/get_weight_version").json() == v
     assert sums in (base.sums, new.sums), "a single chunk was applied in part"
+    if when == "stall_mid_body":  # the server never had the whole request: nothing applied
+        assert sums == base.sums
     if sums == new.sums:  # applied whole: counted and labelled like any finished update
         assert v["weight_update_count"] == count + 1 and v["weight_version"] == "new-partial"
     else:
@@ -354,7 +376,7 @@ def push_and_kill(http, srv, big, tmp_path: Path, when: str) -> bool:
     return in_flight
 
 
-@pytest.mark.parametrize("when", ["server_reading_the_chunk", "just_posted"])
+@pytest.mark.parametrize("when", ["stall_mid_body", "just_posted", "server_reading_the_chunk"])
 def test_trainer_killed_while_a_chunk_is_in_flight(http, srv, big, tmp_path, when):
     # The reply may beat the kill on a loaded machine: then the chunk must be whole, and we try
     # again for a kill that lands in flight.
