@@ -75,11 +75,8 @@ def checks(out: dict) -> dict:
     return result
 
 
-def best_median(values: list[float], scale: float = 1.0, digits: int = 4) -> dict:
-    return {
-        "best": round(min(values) * scale, digits),
-        "median": round(statistics.median(values) * scale, digits),
-    }
+def best_median(values: list[float]) -> dict:
+    return {"best": round(min(values), 4), "median": round(statistics.median(values), 4)}
 
 
 class Memcpy:
