@@ -23,7 +23,7 @@ then 503 weights_inconsistent until a good update); one renamed over is never se
 reads the file it validated). A read error mid-copy comes from the server's test hook
 (GRCTL_FAULT_READ_ERROR_AFTER, grctl/weights/faults.py), armed only for checkpoints under
 faulty/. SIGTERM mid-update: the update finishes, the server exits, a restart serves
---model-path. The variant paused in_place waits out the 30 s drain: slow, GRCTL_RUN_SLOW=1.
+--model-path. Paused in_place, the signal aborts the frozen requests (answered, not cut off).
 """
 
 from __future__ import annotations
@@ -65,7 +65,6 @@ LAST_SHARD = "model-00003-of-00003.safetensors"  # everything but embed_tokens a
 PROMPT = [1, 2, 3, 4, 5]
 MAX_NEW = 4
 READ_ERROR_AFTER = 3  # the server's fault hook: the 4th tensor read fails under faulty/
-RUN_SLOW = os.environ.get("GRCTL_RUN_SLOW") == "1"
 
 
 def write_big_checkpoint(path: Path, seed: int) -> Path:
@@ -595,17 +594,11 @@ def test_sigterm_during_update(big):
     assert seen["ok"] >= 1 and not server_errors(seen), seen
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not RUN_SLOW, reason="slow (the 30 s drain); set GRCTL_RUN_SLOW=1")
 def test_sigterm_during_update_while_paused_in_place(big):
-    """Frozen requests cannot finish while paused: uvicorn waits out its graceful timeout
-    (DRAIN_TIMEOUT_S, 30 s), then cancels them. Exit, restart and "none mixed" hold."""
+    """Frozen requests cannot finish while paused: the shutdown signal aborts them (an abort
+    answer, not a cut connection), so the exit does not wait out the graceful timeout."""
     seen, update, code, exit_s, log = sigterm_during_update(big, pause_mode="in_place")
-    assert code in (0, -signal.SIGTERM) and exit_s < 60, (code, exit_s)
+    assert code in (0, -signal.SIGTERM) and exit_s < 15, (code, exit_s)
     assert "Application shutdown complete" in log, log[-3000:]
     assert not isinstance(update, httpx.Response) or update.status_code == 200, update.text
-    if server_errors(seen):
-        pytest.xfail(
-            "known: a request frozen by an in_place pause gets uvicorn's plain-text 500 when "
-            f"SIGTERM's graceful timeout cancels it, not an abort answer: {seen}"
-        )
+    assert not server_errors(seen), seen

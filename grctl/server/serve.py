@@ -1,13 +1,15 @@
 """`grctl serve`: build the model and the engine, then run the app under uvicorn.
 
 uvicorn owns SIGINT/SIGTERM: it stops accepting, lets open requests finish, then runs the
-lifespan shutdown, which drains the engine's queue and stops it.
+lifespan shutdown, which drains the engine's queue and stops it. Requests a pause holds are
+aborted at the signal (GrctlServer), since they could never finish.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import threading
 
 import uvicorn
 
@@ -64,7 +66,7 @@ def serve(config: ServeConfig) -> None:
         config.url,
         " (API key required)" if config.api_key else "",
     )
-    uvicorn.run(
+    uv_config = uvicorn.Config(
         app,
         host=config.host,
         port=config.port,
@@ -73,3 +75,24 @@ def serve(config: ServeConfig) -> None:
         timeout_graceful_shutdown=int(DRAIN_TIMEOUT_S),
         lifespan="on",
     )
+    GrctlServer(uv_config, engine).run()
+
+
+class GrctlServer(uvicorn.Server):
+    """uvicorn's server, but a shutdown signal also ends the requests a pause holds.
+
+    Requests frozen by a pause (in_place with their KV, or retracted to the queue) can never
+    finish while paused, so uvicorn's graceful drain would wait its whole timeout and then cut
+    them off without an answer. Aborting them at the signal answers each with finish_reason
+    abort, as pause_generation(abort) would; running requests of an unpaused engine still drain.
+    """
+
+    def __init__(self, config: uvicorn.Config, engine: Engine):
+        super().__init__(config)
+        self.engine = engine
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.engine.is_paused:
+            # Not in the signal handler itself: the engine's lock may be held by this thread.
+            threading.Thread(target=self.engine.abort_all, daemon=True).start()
+        super().handle_exit(sig, frame)

@@ -1,8 +1,8 @@
 """The checkpoint source: an HF directory read lazily, validated from headers before any copy.
 
 Layouts: model.safetensors; shards listed by model.safetensors.index.json; pytorch_model.bin
-(or its shard index) and *.pt, loaded with weights_only=True and mmap. safetensors files are
-opened with `safe_open`, which checks that each file is as long as its header's offsets say,
+(or its shard index) and *.pt, loaded whole with weights_only=True (peak memory: the file).
+safetensors files are opened with `safe_open`, which checks that each file is as long as its header's offsets say,
 so a truncated file is refused at validation, before the first byte is copied. Their tensors are
 then read with pread through a descriptor opened at validation, never through a memory map: a
 file truncated after validation gives a short read (an OSError, so the update fails and the
@@ -176,12 +176,9 @@ class Checkpoint:
 
     def _torch_file(self, file: Path) -> dict[str, torch.Tensor]:
         if file not in self._torch_state:
-            try:
-                state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-            except RuntimeError:  # mmap needs the zip format; legacy files load whole
-                state = self._torch_load_plain(file)
-            except Exception as exc:  # torch raises many types for a bad or hostile file
-                raise WeightValidationError(f"unreadable torch file {file.name}: {exc}") from exc
+            # Loaded whole, not mapped: a mapped file truncated after validation would kill the
+            # server with SIGBUS at copy time. These legacy formats cost their size in memory.
+            state = self._torch_load_plain(file)
             if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
                 state = state["state_dict"]
             if not isinstance(state, dict) or not all(
