@@ -2,13 +2,13 @@
 
 Layouts: model.safetensors; shards listed by model.safetensors.index.json; pytorch_model.bin
 (or its shard index) and *.pt, loaded whole with weights_only=True (peak memory: the file).
-safetensors files are opened with `safe_open`, which checks that each file is as long as its header's offsets say,
-so a truncated file is refused at validation, before the first byte is copied. Their tensors are
-then read with pread through a descriptor opened at validation, never through a memory map: a
-file truncated after validation gives a short read (an OSError, so the update fails and the
-weights are marked inconsistent) where a mapped read would kill the server with SIGBUS; a file
-renamed over it is not seen; one rewritten in place is noticed by its size and mtime.
-"""
+safetensors files are opened with `safe_open`, which checks that each file is as long as its
+header's offsets say, so a truncated file is refused at validation, before the first byte is
+copied. Their tensors are then read with pread through a descriptor opened at validation, never
+through a memory map: a file truncated after validation gives a short read (an OSError, so the
+update fails and the weights are marked inconsistent) where a mapped read would kill the server
+with SIGBUS; a file renamed over it is not seen; one rewritten in place is noticed by its size
+and mtime."""
 
 from __future__ import annotations
 
