@@ -9,6 +9,7 @@ keeps captured CUDA graphs valid across updates.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -127,40 +128,59 @@ def _covers(ranges: list[tuple[int, int]], num_rows: int) -> bool:
     return end >= num_rows
 
 
+def read_workers() -> int:
+    """Threads for in-place file reads: one more than torch's, since a read thread also waits
+    on page-cache lookups (measured on 2 cores: 1 -> 0.168 s, 2 -> 0.102 s, 3 -> 0.091 s/GB)."""
+    return torch.get_num_threads() + 1
+
+
 def copy(
     writes: list[Write],
     fetch: Callable[[str], torch.Tensor],
     read_into: Callable[[str, torch.Tensor], bool] | None = None,
+    workers: int = 1,
 ) -> int:
-    """Copy each planned tensor into the live model, fetching one at a time. Returns the count.
+    """Copy each planned tensor into the live model. Returns the number written.
 
     `read_into(name, dst)`, when given, may fill `dst` itself (a file read straight into the
-    parameter: no staging buffer) and return True; else the tensor is fetched and copied.
+    parameter: no staging buffer) and return True; those reads run on `workers` threads (a
+    kernel copy per thread; pread releases the GIL). The rest are fetched one at a time and
+    copied with `copy_`.
 
-    A fetched tensor whose shape no longer matches its plan (a file changed since validation)
-    raises WeightCopyError: some parameters may already hold new values, and the caller must
-    treat the model as inconsistent until a later update succeeds.
+    A failure once a write has begun (a short read, a file changed since validation, a fetched
+    tensor of another shape) raises WeightCopyError: some parameters may already hold new
+    values, and the caller must treat the model as inconsistent until a later update succeeds.
     """
-    done = 0
+    done, started = 0, False
+    current = writes[0].name if writes else ""
     try:
-        for w in writes:
-            if read_into is not None and read_into(w.name, w.dst):
-                done += 1
-                continue
+        pending = writes
+        if read_into is not None and writes:
+            started = True  # reads land in the live parameters directly
+            # Largest first, so the big embedding and head reads overlap instead of one ending
+            # the copy alone on a single thread.
+            order = sorted(writes, key=lambda w: w.dst.numel() * w.dst.element_size(), reverse=True)
+            with ThreadPoolExecutor(max(1, workers)) as pool:
+                served = list(pool.map(lambda w: read_into(w.name, w.dst), order))
+            done = sum(served)
+            pending = [w for w, ok in zip(order, served, strict=True) if not ok]
+        for w in pending:
+            current = w.name
             src = fetch(w.name)
             if tuple(src.shape) != tuple(w.dst.shape):
                 raise WeightValidationError(
                     f"tensor {w.name!r} changed shape since validation: {list(src.shape)}"
                 )
+            started = True
             w.dst.copy_(src)
             done += 1
             del src
     except Exception as exc:
-        if done == 0 and isinstance(exc, GrctlError):
+        if not started and isinstance(exc, GrctlError):
             raise
         raise WeightCopyError(
-            f"weight copy failed after {done} of {len(writes)} tensors at "
-            f"{writes[done].name!r}: {exc}",
+            f"weight copy failed after {done} of {len(writes)} tensors (at or near "
+            f"{current!r}): {exc}",
             hint="the server refuses to generate until a later update succeeds",
         ) from exc
     if any(w.dst.is_cuda for w in writes):

@@ -268,4 +268,4 @@ def plan_checkpoint(model: torch.nn.Module, ckpt: Checkpoint) -> list[apply.Writ
 
 def copy_checkpoint(writes: list[apply.Write], ckpt: Checkpoint) -> int:
     """Stream a validated checkpoint into the live model, reading in place where it can."""
-    return apply.copy(writes, ckpt.fetch, read_into=ckpt.read_into)
+    return apply.copy(writes, ckpt.fetch, ckpt.read_into, workers=apply.read_workers())

@@ -71,7 +71,9 @@ class WeightUpdater:
             writes = validate()
             with self.engine.exclusive(abort_all_requests) as num_aborted:
                 try:
-                    loaded = apply.copy(writes, fetch, read_into) if writes else 0
+                    loaded = (
+                        apply.copy(writes, fetch, read_into, apply.read_workers()) if writes else 0
+                    )
                 except WeightCopyError:
                     self.engine.set_weights_state(None, consistent=False)
                     raise
