@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -477,7 +478,9 @@ def test_read_error_mid_copy(http, srv, big):
         "/update_weights_from_disk", json={"model_path": str(faulty), "weight_version": "bad"}
     )
     err = assert_error(resp, 500, "internal_error")
-    assert f"after {READ_ERROR_AFTER} of " in err["message"] and "injected" in err["message"]
+    # Reads run on several threads, so the count of tensors written before the error varies.
+    assert re.search(r"after \d+ of \d+ tensors", err["message"]), err["message"]
+    assert "injected" in err["message"]
     http.post("/continue_generation")
     ready = http.get("/ready")
     assert ready.status_code == 503 and "weights_inconsistent" in ready.json()["reasons"]

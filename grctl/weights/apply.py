@@ -8,6 +8,7 @@ keeps captured CUDA graphs valid across updates.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -157,12 +158,29 @@ def copy(
         pending = writes
         if read_into is not None and writes:
             started = True  # reads land in the live parameters directly
+            done_reads: list[bool] = []
+            failed = threading.Event()
+
+            def read(w: Write) -> bool:
+                if failed.is_set():  # another read failed: the copy is lost, stop early
+                    return False
+                try:
+                    ok = read_into(w.name, w.dst)
+                except BaseException:
+                    failed.set()
+                    raise
+                if ok:
+                    done_reads.append(True)  # list.append is atomic
+                return ok
+
             # Largest first, so the big embedding and head reads overlap instead of one ending
             # the copy alone on a single thread.
             order = sorted(writes, key=lambda w: w.dst.numel() * w.dst.element_size(), reverse=True)
-            with ThreadPoolExecutor(max(1, workers)) as pool:
-                served = list(pool.map(lambda w: read_into(w.name, w.dst), order))
-            done = sum(served)
+            try:
+                with ThreadPoolExecutor(max(1, workers)) as pool:
+                    served = list(pool.map(read, order))
+            finally:
+                done = len(done_reads)
             pending = [w for w, ok in zip(order, served, strict=True) if not ok]
         for w in pending:
             current = w.name
