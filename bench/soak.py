@@ -50,7 +50,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from grctl.weights.ipc import encode_bucket  # noqa: E402
 from tests.checkpoints import load_hf, write_checkpoint  # noqa: E402
 from tests.serverproc import running_server  # noqa: E402
-from tests.weight_helpers import checkpoint_sha256, served_sha256  # noqa: E402
+from tests.weight_helpers import (  # noqa: E402
+    checkpoint_sha256,
+    hf_generate,
+    served_sha256,
+)
 
 PROMPTS = [[1, 2, 3, 4, 5], [17, 9], [40] * 11, [7, 100, 3, 64, 21, 8, 90]]
 MODES = ("abort", "retract", "in_place")
@@ -111,18 +115,6 @@ class Reference:
                     for k in range(1, len(first))
                 ]
             return self._mixed[key]
-
-
-@torch.no_grad()
-def hf_generate(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    out = model.generate(
-        torch.tensor([prompt]),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    return out[0, len(prompt) :].tolist()
 
 
 @torch.no_grad()

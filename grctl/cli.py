@@ -79,8 +79,11 @@ def serve(
     ] = "auto",
     api_key: Annotated[
         Optional[str],
-        _opt("api_key", "Require this key (X-GR-API-Key or Bearer) on all but /health, /ready.",
-             show_default=False),
+        _opt(
+            "api_key",
+            "Require this key (X-GR-API-Key or Bearer) on all but /health, /ready.",
+            show_default=False,
+        ),
     ] = None,
     max_http_request_bytes: Annotated[
         int, _opt("max_http_request_bytes", "Largest request body accepted (413 over it).", min=1)
@@ -116,18 +119,20 @@ def serve(
         int, _opt("prefill_cache_max_tokens", "Prefill cache size, in tokens.", min=1)
     ] = 262144,
     cuda_graph: Annotated[
-        bool, _opt(
+        bool,
+        _opt(
             "use_cuda_graph",
             "Capture decode steps in CUDA graphs (CUDA only).",
             "--cuda-graph/--no-cuda-graph",
-        )
+        ),
     ] = True,
     allow_weight_update: Annotated[
-        bool, _opt(
+        bool,
+        _opt(
             "allow_weight_update",
             "Turn on the weight-sync routes (off: 403).",
             "--allow-weight-update",
-        )
+        ),
     ] = False,
     weight_version: Annotated[
         str, _opt("weight_version", "Weight version reported until the first update.")
@@ -174,7 +179,7 @@ def serve(
 
 
 def main() -> None:
-    """Entry point: run the app, print a GrctlError as one red line (traceback with GRCTL_DEBUG=1)."""
+    """Run the app; a GrctlError prints one red line (a traceback with GRCTL_DEBUG=1)."""
     try:
         app(standalone_mode=True)
     except GrctlError as exc:
@@ -185,4 +190,5 @@ def main() -> None:
 
 
 from grctl.cli_client import register  # noqa: E402, I001  (push, pause, flush, status, ...)
+
 register(app)

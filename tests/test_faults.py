@@ -49,7 +49,7 @@ from safetensors.torch import save_file
 from grctl.weights.checker import tensor_sha256
 from tests.checkpoints import hf_config, load_hf
 from tests.serverproc import REPO_ROOT, assert_error, running_server, stop
-from tests.weight_helpers import served_sha256
+from tests.weight_helpers import hf_generate, served_sha256
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -107,15 +107,7 @@ class Ckpt:
 def reference(path: Path) -> Ckpt:
     hf = load_hf(path)
     sums = {n: tensor_sha256(t) for n, t in hf.state_dict().items()}
-    with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([PROMPT]),
-            max_new_tokens=MAX_NEW,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return Ckpt(path, sums, out[0, len(PROMPT) :].tolist())
+    return Ckpt(path, sums, hf_generate(hf, PROMPT, MAX_NEW))
 
 
 @pytest.fixture(scope="module")

@@ -14,18 +14,22 @@ from tests.checkpoints import load_hf
 PROMPTS = [[1, 2, 3, 4, 5], [17, 9], [40] * 11]
 
 
+@torch.no_grad()
+def hf_generate(model, prompt: list[int], max_new_tokens: int = 4) -> list[int]:
+    """transformers' own greedy generation (no EOS stop) with an HF model."""
+    out = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
 def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int = 4) -> list[int]:
     """transformers' own greedy generation on the checkpoint at `path`."""
-    hf = load_hf(path)
-    with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
+    return hf_generate(load_hf(path), prompt, max_new_tokens)
 
 
 def served_greedy(client: httpx.Client, prompt: list[int], max_new_tokens: int = 4) -> dict:
