@@ -295,10 +295,13 @@ def test_hostile_input_is_a_4xx_and_changes_nothing(http, prepared, baseline, ro
 
 
 def test_oversize_headers_are_refused_and_server_lives(srv, http, baseline):
-    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
-        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 200_000 + b"\r\n\r\n")
-        reply = s.recv(200)
-    assert reply.startswith(b"HTTP/1.1 4") or reply == b""
+    for route in (b"/health", b"/status", b"/generate"):
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+            s.sendall(
+                b"GET " + route + b" HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 200_000 + b"\r\n\r\n"
+            )
+            reply = s.recv(200)
+        assert reply.startswith(b"HTTP/1.1 4") or reply == b"", reply
     assert http.get("/health").status_code == 200
     assert served_greedy(http, [3, 4, 5])["output_ids"] == baseline[1]
 

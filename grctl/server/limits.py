@@ -4,6 +4,7 @@ A declared Content-Length over the limit is refused before a byte of the body is
 body (chunked ones have no Content-Length) is also counted as it is read and refused the moment
 it passes the limit.
 Both raise PayloadTooLarge, which the exception handlers answer as 413 payload_too_large.
+Headers are bounded too (MAX_HEADER_BYTES in all): httptools, unlike h11, sets no limit of its own.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from litestar.middleware import ASGIMiddleware
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from grctl.errors import PayloadTooLarge, ValidationError
+
+MAX_HEADER_BYTES = 64 * 1024  # names and values together; h11's own default limit is 16 KiB
 
 
 def too_large(limit: int, size: int | None = None) -> PayloadTooLarge:
@@ -40,6 +43,12 @@ class BodyLimitMiddleware(ASGIMiddleware):
         self.max_bytes = max_bytes
 
     async def handle(self, scope: Scope, receive: Receive, send: Send, next_app: ASGIApp) -> None:
+        header_bytes = sum(len(name) + len(value) for name, value in scope["headers"])
+        if header_bytes > MAX_HEADER_BYTES:
+            raise PayloadTooLarge(
+                f"request headers too large: {header_bytes} bytes over the limit of "
+                f"{MAX_HEADER_BYTES} bytes"
+            )
         limit = self.max_bytes
         length = declared_length(scope)
         if length is not None and length > limit:
