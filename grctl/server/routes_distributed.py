@@ -10,13 +10,12 @@ from __future__ import annotations
 from litestar import post
 from litestar.datastructures import State
 
-from grctl.server.routes_weights import UPDATE_OPT, in_thread, weight_update_guard
+from grctl.server.routes_weights import UPDATE_OPT, in_thread, update_options, weight_update_guard
 from grctl.server.schemas_weights import (
     DestroyGroupBody,
     InitGroupBody,
     SuccessResponse,
     UpdateFromDistributedBody,
-    version_str,
 )
 from grctl.weights import distributed
 from grctl.weights.process_group import GroupRegistry, check_init_args
@@ -76,10 +75,7 @@ async def update_weights_from_distributed(
         body.group_name,
         specs,
         load_format=body.load_format,
-        weight_version=version_str(body.weight_version),
-        token_step=body.token_step,
-        flush_cache=body.flush_cache,
-        abort_all_requests=body.abort_all_requests,
+        **update_options(body),
     )
     return SuccessResponse(
         success=True,

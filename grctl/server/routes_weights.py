@@ -193,10 +193,7 @@ async def update_weights_from_disk(
         disk.update_from_disk,
         state.updater,
         path,
-        weight_version=version_str(body.weight_version),
-        token_step=body.token_step,
-        flush_cache=body.flush_cache,
-        abort_all_requests=body.abort_all_requests,
+        **update_options(body),
     )
     state.model_path = path
     return update_response(state, outcome, "Succeeded to update model weights from disk.", path)
@@ -220,12 +217,19 @@ async def update_weights_from_tensor(
         state.updater,
         body.serialized_named_tensors,
         body.load_format,
-        weight_version=version_str(body.weight_version),
-        token_step=body.token_step,
-        flush_cache=body.flush_cache,
-        abort_all_requests=body.abort_all_requests,
+        **update_options(body),
     )
     return update_response(state, outcome, "Succeeded to update model weights from tensor.")
+
+
+def update_options(body) -> dict:
+    """The options every update route shares, as WeightUpdater.run takes them."""
+    return {
+        "weight_version": version_str(body.weight_version),
+        "token_step": body.token_step,
+        "flush_cache": body.flush_cache,
+        "abort_all_requests": body.abort_all_requests,
+    }
 
 
 def update_response(state: State, outcome, message: str, model_dir: str | None = None):
