@@ -25,7 +25,8 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from grctl.engine.engine import Engine, EngineConfig  # noqa: E402
+from grctl.engine.config import EngineConfig
+from grctl.engine.engine import Engine  # noqa: E402
 from grctl.engine.model_config import ModelConfig  # noqa: E402
 from grctl.engine.qwen3 import Qwen3ForCausalLM  # noqa: E402
 from grctl.engine.request import GenerateRequest, SamplingParams  # noqa: E402
@@ -144,7 +145,7 @@ def main() -> None:
     dtype = args.dtype or preset["dtype"]
     transformers.logging.set_verbosity_error()
     hf, ours = build(shape, getattr(torch, dtype), device)
-    engine = Engine(ours, EngineConfig(device=device, max_new_tokens_limit=NEW_TOKENS))
+    engine = Engine(ours, EngineConfig(device=device, max_new_tokens=NEW_TOKENS))
     engine.start()
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, shape["vocab_size"], (preset["prompt_len"],), generator=gen).tolist()

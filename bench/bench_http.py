@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from grctl.config import ServeConfig  # noqa: E402
+from grctl.engine.config import EngineConfig  # noqa: E402
 from grctl.engine.request import GenerateRequest, SamplingParams  # noqa: E402
 from grctl.server.serve import build_engine  # noqa: E402
 from tests.serverproc import running_server  # noqa: E402
@@ -173,7 +174,7 @@ def main() -> None:
     ap.add_argument("--overhead-pairs", type=int, default=100)
     args = ap.parse_args()
 
-    engine = build_engine(ServeConfig(device=args.device))
+    engine = build_engine(ServeConfig(engine=EngineConfig(device=args.device)))
     engine.start()
     report: dict = {
         "model": "grctl-builtin-gr",

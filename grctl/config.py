@@ -1,72 +1,65 @@
-"""ServeConfig: everything `grctl serve` was told, built once from flags and GR_* variables."""
+"""ServeConfig: everything `grctl serve` was told, built once from flags and GR_<FLAG> variables.
+
+It composes the engine's own EngineConfig (grctl/engine/config.py) and adds what only the HTTP
+server uses. Each field is declared once as a knob (grctl/knobs.py): its flag, environment
+variable, help line and bounds all come from that declaration.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import Field, dataclass, field
+from typing import Any
+
+from grctl.engine.config import EngineConfig
+from grctl.knobs import Knob, check_knobs, knob, knobs_of
 
 MiB = 1 << 20
-
-# Each ServeConfig field is also a GR_* environment variable (typer reads them for `grctl serve`);
-# the API key keeps its historical name.
-ENV_PREFIX = "GR_"
-ENV_OVERRIDES = {"api_key": "GR_HTTP_API_KEY"}
-
-
-def env_var(field_name: str) -> str:
-    return ENV_OVERRIDES.get(field_name, ENV_PREFIX + field_name.upper())
 
 
 @dataclass(frozen=True)
 class ServeConfig:
-    model_path: str | None = None  # None: the built-in model
-    host: str = "127.0.0.1"
-    port: int = 8000
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # auto (the checkpoint's) | bfloat16 | float16 | float32
-    api_key: str | None = None
-    max_http_request_bytes: int = MiB
-    max_http_submit_many: int = 32
-    max_running_requests: int = 64
-    max_waiting_requests: int = 1024
-    max_context_len: int = 8192
-    max_beam_width: int = 256
-    max_new_tokens: int = 64  # the largest sampling_params.max_new_tokens accepted
-    enable_prefill_cache: bool = False
-    prefill_cache_max_entries: int = 64
-    prefill_cache_max_tokens: int = 262144
-    use_cuda_graph: bool = True
-    allow_weight_update: bool = False
-    weight_version: str = "default"
-    weights_root: str | None = None  # where disk updates may read from (None: anywhere)
-    log_requests: bool = False  # one JSON line per HTTP request on stderr
-    generate_timeout_s: float = 300.0  # /generate answers 504 generate_timeout after this
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = knob("127.0.0.1", "Address to listen on.", "HTTP")
+    port: int = knob(8000, "Port to listen on.", "HTTP", min=1)
+    api_key: str | None = knob(
+        None,
+        "Key required (X-GR-API-Key or Bearer) on all but /health, /ready.",
+        "HTTP",
+        old_env=("GR_HTTP_API_KEY",),
+    )
+    max_http_request_bytes: int = knob(MiB, "Largest request body (413 over it).", "HTTP", min=1)
+    max_http_submit_many: int = knob(32, "Most requests in one /submit_many.", "HTTP", min=1)
+    generate_timeout_s: float = knob(300.0, "/generate answers 504 after this.", "HTTP", min=0.001)
+    log_requests: bool = knob(False, "Log one JSON line per request (stderr).", "HTTP")
+    allow_weight_update: bool = knob(
+        False, "Turn on weight-sync routes (else 403).", "Weight updates"
+    )
+    weights_root: str | None = knob(
+        None, "Directory disk updates must read from.", "Weight updates"
+    )
 
     def __post_init__(self) -> None:
-        from grctl.errors import ValidationError
+        check_knobs(self)
+        if self.port > 65535:
+            from grctl.errors import ValidationError
 
-        positive = (
-            "port",
-            "max_http_request_bytes",
-            "max_http_submit_many",
-            "max_running_requests",
-            "max_waiting_requests",
-            "max_context_len",
-            "max_beam_width",
-            "max_new_tokens",
-            "prefill_cache_max_entries",
-            "prefill_cache_max_tokens",
-        )
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ValidationError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.generate_timeout_s <= 0:
-            raise ValidationError("generate_timeout_s must be positive")
-        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
-            raise ValidationError(
-                f"unsupported dtype {self.dtype!r}; use auto, bfloat16, float16 or float32"
-            )
-        if self.api_key == "":  # an empty GR_HTTP_API_KEY means no auth, not "key is empty"
+            raise ValidationError(f"port must be at most 65535, got {self.port}")
+        if self.api_key == "":  # an empty GR_API_KEY means no auth, not "the key is empty"
             object.__setattr__(self, "api_key", None)
+
+    @classmethod
+    def knobs(cls) -> Iterator[tuple[Field, Knob]]:
+        """Every knob `grctl serve` takes: the engine's, then the server's own."""
+        yield from knobs_of(EngineConfig)
+        yield from knobs_of(cls)
+
+    @classmethod
+    def from_flags(cls, values: dict[str, Any]) -> ServeConfig:
+        """Build from one value per knob (what `grctl serve` parsed), each to its owner."""
+        engine_names = {f.name for f, _ in knobs_of(EngineConfig)}
+        engine = EngineConfig(**{k: v for k, v in values.items() if k in engine_names})
+        return cls(engine=engine, **{k: v for k, v in values.items() if k not in engine_names})
 
     @property
     def url(self) -> str:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from grctl.engine.engine import Engine, EngineConfig
+from grctl.engine.config import EngineConfig
+from grctl.engine.engine import Engine
 from grctl.engine.request import GenerateRequest, SamplingParams
 from grctl.weights.loader import load_model, resolve_device
 
@@ -16,7 +17,7 @@ def generate_offline(
     """Lines to print: each beam's output ids and score (n == 1: the greedy sequence)."""
     dev = str(resolve_device(device))
     model = load_model(str(model_path) if model_path else None, device=dev)
-    engine = Engine(model, EngineConfig(device=dev, use_cuda_graph=False))
+    engine = Engine(model, EngineConfig(device=dev, cuda_graph=False))
     engine.start()
     try:
         req = GenerateRequest(tuple(input_ids), SamplingParams(max_new_tokens=max_new_tokens, n=n))

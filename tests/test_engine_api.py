@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grctl.engine.engine import Engine, EngineConfig
+from grctl.engine.config import EngineConfig
+from grctl.engine.engine import Engine
 from grctl.engine.request import GenerateRequest, SamplingParams
 from grctl.errors import (
     Conflict,

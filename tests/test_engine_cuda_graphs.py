@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from grctl.engine.config import EngineConfig
 from grctl.engine.cuda_graphs import DecodeGraphs, EagerPiece
-from grctl.engine.engine import Engine, EngineConfig
+from grctl.engine.engine import Engine
 from grctl.engine.request import GenerateRequest, SamplingParams
 from tests.test_model_parity import hf_and_ours
 
@@ -64,7 +65,7 @@ def test_cuda_graphs_match_eager_and_follow_in_place_weight_updates(dtype):
     model = hf_and_ours(seed=13, dtype=dtype, device="cuda")[1]
     graphed = Engine(model, EngineConfig(device="cuda"))
     graphed.start()  # captures every bucket
-    eager = Engine(model, EngineConfig(device="cuda", use_cuda_graph=False))
+    eager = Engine(model, EngineConfig(device="cuda", cuda_graph=False))
     assert graphed.status()["engine"]["cuda_graph"]["enabled"]
     assert graphed.status()["engine"]["errors"] == 0
     reqs = requests()

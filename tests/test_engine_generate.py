@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grctl.engine.engine import Engine, EngineConfig
+from grctl.engine.config import EngineConfig
+from grctl.engine.engine import Engine
 from grctl.engine.request import GenerateRequest, SamplingParams
 from tests.test_model_parity import hf_and_ours
 

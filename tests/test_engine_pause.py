@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from grctl.engine.engine import Engine, EngineConfig
+from grctl.engine.config import EngineConfig
+from grctl.engine.engine import Engine
 from grctl.engine.request import GenerateRequest, SamplingParams
 from grctl.errors import Paused
 from tests.test_model_parity import hf_and_ours

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grctl.engine.engine import Engine, EngineConfig
+from grctl.engine.config import EngineConfig
+from grctl.engine.engine import Engine
 from grctl.engine.kv_cache import ContextKV
 from grctl.engine.prefill_cache import Entry, PrefillCache
 from grctl.engine.request import GenerateRequest, SamplingParams
@@ -87,7 +88,7 @@ def test_engine_hit_gives_the_same_result(model):
 
 def test_engine_never_serves_a_stale_entry_after_a_weight_change(model):
     hf, fresh = hf_and_ours(seed=5)
-    eng = Engine(fresh, EngineConfig(enable_prefill_cache=True), weight_version="v1")
+    eng = Engine(fresh, EngineConfig(enable_prefill_cache=True, weight_version="v1"))
     prompt = list(range(10, 30))
     before = run(eng, prompt)
     with eng.exclusive():  # new weights under a new version, and no flush

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grctl.engine.engine import Engine, EngineConfig
+from grctl.engine.config import EngineConfig
+from grctl.engine.engine import Engine
 from grctl.engine.request import GenerateRequest, SamplingParams
 from grctl.errors import WeightsInconsistent
 from grctl.weights import apply
@@ -24,7 +25,7 @@ PROMPT = (5, 9, 33, 2, 71, 8)
 def setup(tmp_path):
     a = write_checkpoint(tmp_path / "a", seed=31)
     b = write_checkpoint(tmp_path / "b", seed=32)
-    engine = Engine(load_model(a), EngineConfig(enable_prefill_cache=True, use_cuda_graph=False))
+    engine = Engine(load_model(a), EngineConfig(enable_prefill_cache=True, cuda_graph=False))
     engine.start()
     yield engine, WeightUpdater(engine), a, b
     engine.stop(drain=False)

@@ -26,23 +26,24 @@ from grctl.engine.sequence import Sequence, Status
 from grctl.engine.stats import EngineStats
 
 if TYPE_CHECKING:
-    from grctl.engine.engine import EngineConfig
+    from grctl.engine.config import EngineConfig
 
 log = logging.getLogger("grctl.engine")
 
 
 class EngineCore:
-    def __init__(
-        self, model: Qwen3ForCausalLM, config: EngineConfig, weight_version: str = "default"
-    ):
-        self.device = torch.device(config.device)
+    def __init__(self, model: Qwen3ForCausalLM, config: EngineConfig):
+        # device "auto": wherever the model already is
+        self.device = model.embed_tokens.weight.device
+        if config.device != "auto":
+            self.device = torch.device(config.device)
         if self.device.type == "cuda" and self.device.index is None:  # "cuda" -> "cuda:N"
             self.device = torch.device("cuda", torch.cuda.current_device())
         if model.embed_tokens.weight.device != self.device:
             model.to(self.device)  # at construction only: later, weights are written in place
         self.model = model.eval()
         self.config = config
-        self.weight_version = weight_version
+        self.weight_version = config.weight_version
         self.weights_generation = 0  # grows with every weight write (see set_weights_state)
         self.pause_mode: str | None = None
         self.cache = PrefillCache(
@@ -78,7 +79,7 @@ class EngineCore:
             if self._thread is not None and self._thread.is_alive():
                 return
             self._stopping = False
-        if self.config.use_cuda_graph and self.device.type == "cuda" and self.runner.graphs is None:
+        if self.config.cuda_graph and self.device.type == "cuda" and self.runner.graphs is None:
             self._capture_graphs()
         self._thread = threading.Thread(target=self._worker, name="grctl-engine", daemon=True)
         self._thread.start()

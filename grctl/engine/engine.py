@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 from grctl.engine.core import EngineCore
 from grctl.engine.request import GenerateRequest, GenerateResult
@@ -29,22 +28,6 @@ from grctl.errors import (
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    device: str = "cpu"
-    max_context_len: int = 8192
-    max_running_requests: int = 64
-    max_waiting_requests: int = 1024
-    prefill_token_budget: int = 8192
-    max_beam_width: int = 256
-    max_new_tokens_limit: int = 64
-    enable_prefill_cache: bool = False
-    prefill_cache_max_entries: int = 64
-    prefill_cache_max_tokens: int = 262144
-    use_cuda_graph: bool = True
-    max_finished_results: int = 10_000
-
-
 class Engine(EngineCore):
     """The API the server calls. `run_step()` (from the core) advances one step by hand when no
     worker is started, which tests use to reach every state deterministically."""
@@ -57,7 +40,7 @@ class Engine(EngineCore):
             self.model.config,
             max_context_len=cfg.max_context_len,
             max_beam_width=cfg.max_beam_width,
-            max_new_tokens_limit=cfg.max_new_tokens_limit,
+            max_new_tokens_limit=cfg.max_new_tokens,
         )
         with self._cond:
             if self._stopping:

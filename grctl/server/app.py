@@ -61,19 +61,19 @@ def create_app(engine: Any, config: ServeConfig, tokenizer: Any | None = None) -
     """The grctl HTTP app over an engine that is not started yet; the lifespan starts it."""
     metrics = Metrics()
     if tokenizer is None:
-        tokenizer = load_tokenizer(config.model_path)
+        tokenizer = load_tokenizer(config.engine.model_path)
     state = State(
         {
             "engine": engine,
             "config": config,
-            "model_path": config.model_path or DEFAULT_MODEL_NAME,
+            "model_path": config.engine.model_path or DEFAULT_MODEL_NAME,
             "tokenizer": tokenizer,
             "metrics": metrics,
             "updater": WeightUpdater(engine, engine.weight_version),
             "weights_checker": WeightsChecker(),
             # One thread per waiting call; enough that every queued request can be awaited.
             "waiters": anyio.CapacityLimiter(
-                config.max_running_requests + config.max_waiting_requests + 8
+                config.engine.max_running_requests + config.engine.max_waiting_requests + 8
             ),
         }
     )

@@ -94,7 +94,7 @@ async def submit_many(state: State, data: SubmitManyBody | None = None) -> Submi
             engine.model.config,
             max_context_len=cfg.max_context_len,
             max_beam_width=cfg.max_beam_width,
-            max_new_tokens_limit=cfg.max_new_tokens_limit,
+            max_new_tokens_limit=cfg.max_new_tokens,
         )
     ids = [r.request_id for r in reqs]
     if len(set(ids)) != len(ids):

@@ -93,7 +93,7 @@ async def loads(state: State) -> LoadsResponse:
 
 @get(["/server_info", "/get_server_info"], summary="Server arguments slime reads at start")
 async def server_info(state: State) -> ServerInfo:
-    cfg, model = state.config, state.engine.model
+    cfg, model = state.config.engine, state.engine.model
     param = next(model.parameters())
     return ServerInfo(
         model_path=state.model_path,
@@ -107,7 +107,7 @@ async def server_info(state: State) -> ServerInfo:
         max_beam_width=cfg.max_beam_width,
         max_new_tokens=cfg.max_new_tokens,
         enable_prefill_cache=cfg.enable_prefill_cache,
-        allow_weight_update=cfg.allow_weight_update,
+        allow_weight_update=state.config.allow_weight_update,
         version=grctl.__version__,
     )
 

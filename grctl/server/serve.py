@@ -14,32 +14,19 @@ import threading
 import uvicorn
 
 from grctl.config import ServeConfig
-from grctl.engine.engine import Engine, EngineConfig
+from grctl.engine.engine import Engine
 from grctl.server.app import DRAIN_TIMEOUT_S, create_app
 from grctl.weights.loader import DEFAULT_MODEL_NAME, load_model, resolve_device
 
 log = logging.getLogger("grctl.server")
 
 
-def engine_config(config: ServeConfig, device: str) -> EngineConfig:
-    return EngineConfig(
-        device=device,
-        max_context_len=config.max_context_len,
-        max_running_requests=config.max_running_requests,
-        max_waiting_requests=config.max_waiting_requests,
-        max_beam_width=config.max_beam_width,
-        max_new_tokens_limit=config.max_new_tokens,
-        enable_prefill_cache=config.enable_prefill_cache,
-        prefill_cache_max_entries=config.prefill_cache_max_entries,
-        prefill_cache_max_tokens=config.prefill_cache_max_tokens,
-        use_cuda_graph=config.use_cuda_graph,
-    )
-
-
 def build_engine(config: ServeConfig) -> Engine:
-    device = str(resolve_device(config.device))
-    model = load_model(config.model_path, device=device, dtype=config.dtype)
-    return Engine(model, engine_config(config, device), weight_version=config.weight_version)
+    """Load the model where config.engine.device says (auto: cuda when available), then the
+    engine over it, with the EngineConfig passed whole."""
+    cfg = config.engine
+    model = load_model(cfg.model_path, device=str(resolve_device(cfg.device)), dtype=cfg.dtype)
+    return Engine(model, cfg)
 
 
 def setup_logging() -> None:
@@ -59,10 +46,10 @@ def serve(config: ServeConfig) -> None:
     param = next(engine.model.parameters())
     log.info(
         "serving model=%s device=%s dtype=%s weight_version=%s at %s%s",
-        config.model_path or DEFAULT_MODEL_NAME,
+        config.engine.model_path or DEFAULT_MODEL_NAME,
         param.device,
         str(param.dtype).removeprefix("torch."),
-        config.weight_version,
+        config.engine.weight_version,
         config.url,
         " (API key required)" if config.api_key else "",
     )

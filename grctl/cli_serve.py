@@ -1,0 +1,74 @@
+"""`grctl serve`: one option per ServeConfig knob, derived from its declaration (grctl/knobs.py).
+
+Nothing here names a knob: adding a field to EngineConfig or ServeConfig adds its flag, its
+GR_<FLAG> variable and its line in `grctl serve --help`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import typing
+from typing import Annotated, Any, Optional
+
+import typer
+
+from grctl.config import ServeConfig
+from grctl.engine.config import EngineConfig
+from grctl.knobs import PANELS, env_names, flag_name
+
+SERVE_HELP = (
+    "Serve a model over HTTP with SGLang-compatible routes.\n\n"
+    "Every flag can also be set by the environment variable GR_<FLAG>, the flag's name in"
+    " capitals (--max-running-requests: GR_MAX_RUNNING_REQUESTS); a flag given on the command"
+    " line wins. The older names GR_HTTP_API_KEY and GR_USE_CUDA_GRAPH are still read."
+)
+# Metavars short enough that every flag name fits beside them at 80 columns.
+METAVARS = {int: "INT", float: "NUM", str: "TEXT"}
+
+
+def serve_parameters() -> list[inspect.Parameter]:
+    hints = {**typing.get_type_hints(EngineConfig), **typing.get_type_hints(ServeConfig)}
+    params = []
+    for f, k in sorted(ServeConfig.knobs(), key=lambda fk: PANELS.index(fk[1].panel)):
+        flag = flag_name(f.name)
+        base: Any = hints[f.name]
+        if f.default is None:  # `X | None`, spelled the way Typer reads it
+            base = typing.get_args(base)[0]
+        annotation: Any = Optional[base] if f.default is None else base
+        decls = [flag, *k.aliases]
+        if annotation is bool and f.default is True:
+            decls = [f"{flag}/--no-{flag[2:]}", *k.aliases]
+        opt = typer.Option(
+            *decls,
+            envvar=env_names(f.name, k),
+            help=k.help,
+            rich_help_panel=k.panel,
+            show_default=f.default is not None and annotation is not bool,
+            show_envvar=False,  # SERVE_HELP states the rule once
+            metavar=METAVARS.get(base),
+            **({} if k.min is None else {"min": k.min}),
+        )
+        params.append(
+            inspect.Parameter(
+                f.name,
+                inspect.Parameter.KEYWORD_ONLY,
+                default=f.default,
+                annotation=Annotated[annotation, opt],
+            )
+        )
+    return params
+
+
+def serve(**values: Any) -> None:
+    from grctl.server.serve import serve as run_server
+
+    run_server(ServeConfig.from_flags(values))
+
+
+serve.__signature__ = inspect.Signature(serve_parameters())  # type: ignore[attr-defined]
+serve.__annotations__ = {p.name: p.annotation for p in serve.__signature__.parameters.values()}
+serve.__doc__ = SERVE_HELP
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve")(serve)

@@ -1,0 +1,54 @@
+"""EngineConfig: the engine's knobs (model, scheduling, prefill cache), built once, passed whole.
+
+`grctl serve` composes it into ServeConfig (grctl/config.py) and derives a flag and a GR_<FLAG>
+variable from each field (grctl/knobs.py); offline users and tests build it directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from grctl.knobs import check_knobs, knob
+
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str | None = knob(
+        None, "HF Qwen3 checkpoint dir; none: the built-in model.", "Model"
+    )
+    # auto: where the model already is (grctl serve loads it on cuda when available, else cpu)
+    device: str = knob("auto", "auto (cuda when available), cpu, cuda or cuda:N.", "Model")
+    dtype: str = knob(
+        "auto",
+        "auto (the checkpoint's), bfloat16, float16, float32.",
+        "Model",
+        choices=DTYPE_CHOICES,
+    )
+    cuda_graph: bool = knob(
+        True,
+        "Capture decode steps in CUDA graphs (CUDA only).",
+        "Model",
+        old_env=("GR_USE_CUDA_GRAPH",),
+    )
+    max_running_requests: int = knob(64, "Requests decoded together.", "Scheduling", min=1)
+    max_waiting_requests: int = knob(1024, "Queued requests before 429.", "Scheduling", min=1)
+    max_context_len: int = knob(8192, "Longest prompt + output, in tokens.", "Scheduling", min=1)
+    max_beam_width: int = knob(256, "Largest n (beam width).", "Scheduling", min=1)
+    max_new_tokens: int = knob(64, "Largest max_new_tokens a request may ask.", "Scheduling", min=1)
+    prefill_token_budget: int = knob(8192, "Prompt tokens prefilled per step.", "Scheduling", min=1)
+    max_finished_results: int = knob(
+        10_000, "Finished results kept until fetched.", "Scheduling", min=1
+    )
+    enable_prefill_cache: bool = knob(
+        False, "Reuse KV of repeated prompt prefixes.", "Prefill cache"
+    )
+    prefill_cache_max_entries: int = knob(64, "Cache size, in prompts.", "Prefill cache", min=1)
+    prefill_cache_max_tokens: int = knob(262144, "Cache size, in tokens.", "Prefill cache", min=1)
+    weight_version: str = knob(
+        "default", "Version reported until the first update.", "Weight updates"
+    )
+
+    def __post_init__(self) -> None:
+        check_knobs(self)
