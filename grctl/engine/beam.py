@@ -1,11 +1,15 @@
-"""Beams: the output side of one request, on the device.
+"""Beams: one request's search state on the device, and how a step's candidates update it.
 
-n > 1 is beam search scored by cumulative log-probability: the first n tokens are the top n of the
-prefill's distribution; then each step keeps the best n among the expansions of unfinished beams
-and the finished beams themselves (a beam that hit a stop token is finished and stops growing).
-n == 1 is the same bookkeeping with one row and a Sampler choosing the token (greedy or sampled).
-Beams stay sorted best first, and `advance` returns each new beam's parent so the caller can
-reorder the per-beam KV.
+Beam search of width n keeps what transformers' `generate(num_beams=n, length_penalty=0,
+early_stopping=False)` keeps: n running beams and a pool of the n best finished ones, scored by
+cumulative log-probability. Each step (beam_select.py) ranks the K best expansions of the running
+beams (K = n * max(2, 1 + stop tokens), transformers' `beams_to_keep`). A candidate that ends its
+sequence (a stop token, a completed catalog item, or the last allowed token) joins the pool only
+if it ranks among the first n; the first n candidates that do not end become the running beams.
+With a catalog, a beam that is short of n valid paths simply has fewer beams: a dead beam has
+score -inf and is never returned. n == 1 is the same with K = 1 and a Sampler choosing the token.
+The search ends when no beam runs, at max_new_tokens, or when the pool is full and no running
+beam can beat its worst entry (log-probabilities only fall, so this changes no result).
 """
 
 from __future__ import annotations
@@ -15,6 +19,11 @@ import torch
 from grctl.engine.request import BeamResult
 from grctl.engine.sampler import Sampler
 
+# reason codes of finished beams; 0: not finished
+STOP, ITEM, LENGTH = 1, 2, 3
+REASONS = {STOP: "stop", ITEM: "item_complete", LENGTH: "length"}
+NEG_INF = float("-inf")
+
 
 class Beams:
     def __init__(
@@ -23,81 +32,122 @@ class Beams:
         max_new_tokens: int,
         stop_ids: tuple[int, ...],
         device: torch.device,
+        vocab_size: int,
         sampler: Sampler | None = None,
+        trie=None,  # a catalog Trie constraining every step, or None
     ):
-        self.num_beams = num_beams
-        self.max_new_tokens = max_new_tokens
+        n, t = num_beams, max_new_tokens
+        self.num_beams = n
+        self.max_new_tokens = t
         self.sampler = sampler  # n == 1 only
-        self.stop_ids = torch.tensor(stop_ids, dtype=torch.int64, device=device)
-        shape = (num_beams, max_new_tokens)
-        self.tokens = torch.full(shape, -1, dtype=torch.int64, device=device)  # -1: none
-        self.token_logprobs = torch.zeros(shape, dtype=torch.float32, device=device)
-        self.lengths = torch.zeros(num_beams, dtype=torch.int64, device=device)
-        self.scores = torch.zeros(num_beams, dtype=torch.float32, device=device)
-        self.finished = torch.zeros(num_beams, dtype=torch.bool, device=device)
-        self.num_steps = 0  # output tokens chosen so far (the longest beam's length)
-        self.all_finished = False
+        self.trie = trie
+        self.stop_ids = stop_ids
+        self.stop_tensor = torch.tensor(stop_ids, dtype=torch.int64, device=device)
+        self.num_candidates = 1 if n == 1 else min(max(2, 1 + len(stop_ids)) * n, n * vocab_size)
+        self.tokens = torch.full((n, t), -1, dtype=torch.int64, device=device)  # -1: none
+        self.token_logprobs = torch.zeros((n, t), dtype=torch.float32, device=device)
+        self.scores = torch.full((n,), NEG_INF, dtype=torch.float32, device=device)
+        self.nodes = torch.zeros(n, dtype=torch.int64, device=device)  # trie node of each beam
+        # the pool of finished beams, best first; score -inf: an empty slot
+        self.f_tokens = self.tokens.clone()
+        self.f_logprobs = self.token_logprobs.clone()
+        self.f_lengths = torch.zeros(n, dtype=torch.int64, device=device)
+        self.f_scores = self.scores.clone()
+        self.f_reasons = torch.zeros(n, dtype=torch.int8, device=device)
+        self.f_nodes = self.nodes.clone()
+        self.num_steps = 0  # tokens chosen so far
+        self.is_done = False
 
     @property
-    def is_done(self) -> bool:
-        return self.num_steps >= self.max_new_tokens or self.all_finished
+    def is_started(self) -> bool:
+        return self.num_steps > 0
 
-    def _is_stop(self, tokens: torch.Tensor) -> torch.Tensor:
-        return torch.isin(tokens, self.stop_ids) & (tokens >= 0)
+    def row_scores(self) -> torch.Tensor:
+        """The score of each row this request feeds the next step: one prefill row, then n."""
+        return self.scores if self.is_started else self.scores.new_zeros(1)
 
-    def start(self, logprobs: torch.Tensor) -> None:
-        """The first token(s) from the prefill's log-probabilities [vocab]."""
-        if self.sampler is not None:
-            tokens = self.sampler.choose(logprobs)
-            scores = logprobs[tokens]
-        else:
-            scores, tokens = logprobs.topk(self.num_beams)
-        self.tokens[:, 0] = tokens
-        self.token_logprobs[:, 0] = scores
-        self.scores.copy_(scores)
-        self.lengths.fill_(1)
-        self.finished = self._is_stop(tokens)
-        self.num_steps = 1
-        self.all_finished = bool(self.finished.all())
+    def row_nodes(self) -> torch.Tensor:
+        return self.nodes if self.is_started else self.nodes.new_zeros(1)
 
     def next_input(self) -> torch.Tensor:
-        """The token each beam feeds next, [n] (a finished beam feeds a dummy 0)."""
+        """The token each beam feeds next, [n] (a dead beam feeds a dummy 0)."""
         return self.tokens[:, self.num_steps - 1].clamp(min=0)
 
-    def advance(self, logprobs: torch.Tensor) -> torch.Tensor:
-        """logprobs [n, vocab] of each beam's next token -> parents [n] of the new beams."""
-        n, vocab = logprobs.shape
-        t = self.num_steps
-        if self.sampler is not None:  # one unfinished row: its chosen token, nothing carried
-            idx = self.sampler.choose(logprobs[0])
-            top = self.scores + logprobs[0, idx]
-        else:
-            cand = (self.scores[:, None] + logprobs).masked_fill(self.finished[:, None], -torch.inf)
-            carried = self.scores.masked_fill(~self.finished, -torch.inf)
-            top, idx = torch.cat((cand.flatten(), carried)).topk(n)
-        is_new = idx < n * vocab
-        parents = torch.where(is_new, idx // vocab, idx - n * vocab)
-        new_tokens = torch.where(is_new, idx % vocab, -1)
-        self.tokens = self.tokens[parents]
-        self.tokens[:, t] = new_tokens
-        self.token_logprobs = self.token_logprobs[parents]
-        step_lp = logprobs[parents, new_tokens.clamp(min=0)]
-        self.token_logprobs[:, t] = torch.where(is_new, step_lp, 0.0)
-        self.lengths = torch.where(is_new, t + 1, self.lengths[parents])
-        self.finished = self.finished[parents] | self._is_stop(new_tokens)
-        self.scores = top
-        self.num_steps = t + 1
-        self.all_finished = bool(self.finished.all())
-        return parents
+    def update(
+        self,
+        scores: torch.Tensor,
+        step_logprobs: torch.Tensor,
+        parents: torch.Tensor,
+        tokens: torch.Tensor,
+        nodes: torch.Tensor,
+        reasons: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Take this step's K candidates, best first ([K] each; reasons int8, 0 = runs on).
 
-    def results(self, aborted: bool = False) -> tuple[list[BeamResult], list[float]]:
-        """Every beam, best first, and the top beam's per-token log-probabilities."""
+        Returns (parents [n] of the new running beams, the 'search is over' flag as a tensor)."""
+        n, t = self.num_beams, self.num_steps
+        finite = scores > NEG_INF
+        ends = (reasons > 0) & finite
+        runs = ~ends & finite
+        rank = torch.arange(scores.numel(), device=scores.device)
+        joins_pool = ends & (rank < n)
+        runs = runs & (runs.cumsum(0) <= n)
+        hist = self.tokens[parents]  # [K, T]
+        hist[:, t] = tokens
+        hist_lp = self.token_logprobs[parents]
+        hist_lp[:, t] = step_logprobs
+        # running beams: the first n candidates that do not end, in rank order
+        run_scores, pick = torch.where(runs, scores, NEG_INF).topk(min(n, scores.numel()))
+        if pick.numel() < n:  # fewer candidates than beams (a narrow first step): pad dead
+            pad = n - pick.numel()
+            pick = torch.cat((pick, pick.new_zeros(pad)))
+            run_scores = torch.cat((run_scores, run_scores.new_full((pad,), NEG_INF)))
+        self.tokens, self.token_logprobs = hist[pick], hist_lp[pick]
+        self.scores, self.nodes = run_scores, nodes[pick]
+        # the pool: the best n of what it held and the candidates that just ended
+        merged = torch.cat((self.f_scores, torch.where(joins_pool, scores, NEG_INF)))
+        self.f_scores, keep = merged.topk(n)
+        self.f_tokens = torch.cat((self.f_tokens, hist))[keep]
+        self.f_logprobs = torch.cat((self.f_logprobs, hist_lp))[keep]
+        lengths = torch.full_like(tokens, t + 1)
+        self.f_lengths = torch.cat((self.f_lengths, lengths))[keep]
+        self.f_reasons = torch.cat((self.f_reasons, reasons.to(torch.int8)))[keep]
+        self.f_nodes = torch.cat((self.f_nodes, nodes))[keep]
+        self.num_steps = t + 1
+        best_running = self.scores[0]
+        pool_full = self.f_scores[-1] > NEG_INF
+        over = (best_running == NEG_INF) | (pool_full & (best_running <= self.f_scores[-1]))
+        if self.num_steps >= self.max_new_tokens:
+            over = torch.ones_like(over)
+        return parents[pick], over
+
+    def results(self, aborted: bool = False) -> tuple[list[BeamResult], list[float], list[int]]:
+        """The returned beams best first, the top one's per-token log-probabilities, and each
+        beam's trie node (for the catalog's item lookup)."""
         if self.num_steps == 0:
-            return [], []
-        tokens, lengths = self.tokens.tolist(), self.lengths.tolist()
-        scores, finished = self.scores.tolist(), self.finished.tolist()
-        beams = []
-        for toks, length, score, done in zip(tokens, lengths, scores, finished, strict=True):
-            reason = "stop" if done else ("abort" if aborted else "length")
-            beams.append(BeamResult(toks[:length], score, reason))
-        return beams, self.token_logprobs[0, : lengths[0]].tolist()
+            return [], [], []
+        scores, tokens, lps = self.f_scores, self.f_tokens, self.f_logprobs
+        lengths, reasons, nodes = self.f_lengths, self.f_reasons, self.f_nodes
+        if aborted:  # the running beams too, as they stand
+            running = self.scores > NEG_INF
+            scores = torch.cat((scores, self.scores))
+            tokens = torch.cat((tokens, self.tokens))
+            lps = torch.cat((lps, self.token_logprobs))
+            run_len = (self.tokens >= 0).sum(1)
+            lengths = torch.cat((lengths, run_len))
+            reasons = torch.cat((reasons, torch.where(running, -1, 0).to(torch.int8)))
+            nodes = torch.cat((nodes, self.nodes))
+            scores, keep = scores.topk(self.num_beams)
+            tokens, lps, lengths = tokens[keep], lps[keep], lengths[keep]
+            reasons, nodes = reasons[keep], nodes[keep]
+        alive = (scores > NEG_INF).tolist()
+        rows = zip(
+            tokens.tolist(), lengths.tolist(), scores.tolist(), reasons.tolist(), alive, strict=True
+        )
+        beams = [
+            BeamResult(toks[:length], score, REASONS.get(reason, "abort"))
+            for toks, length, score, reason, ok in rows
+            if ok
+        ]
+        top_lps = lps[0, : len(beams[0].output_ids)].tolist() if beams else []
+        return beams, top_lps, nodes[: len(beams)].tolist()

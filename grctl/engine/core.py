@@ -56,6 +56,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.max_running_requests, config.prefill_token_budget)
         self.results = ResultStore(config.max_finished_results)
         self.stats = EngineStats()
+        self.catalogs = None  # a CatalogStore: requests constrained to its current catalog
         self._cond = threading.Condition()
         self._seqs: dict[str, Sequence] = {}  # in flight: waiting or running
         self._step_ids: set[str] = set()  # the requests of the step being computed

@@ -60,7 +60,9 @@ class Engine(EngineCore):
                     f"the waiting queue is full ({cfg.max_waiting_requests} requests)",
                     hint="retry later",
                 )
-            seq = Sequence(rid, req, stop_ids_of(req, self.model.config))
+            store = self.catalogs
+            catalog = store.current if store is not None and req.sampling.use_catalog else None
+            seq = Sequence(rid, req, stop_ids_of(req, self.model.config), catalog)
             self._seqs[rid] = seq
             self.scheduler.add(seq)
             self.stats.num_submitted += 1

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from grctl.engine import beam_select
 from grctl.engine.beam import Beams
+from grctl.engine.beam_select import Block
 from grctl.engine.kv_cache import BeamKV, ContextKV
 from grctl.engine.model_runner import DecodeItem, ModelRunner
 from grctl.engine.prefill_cache import Entry, PrefillCache
@@ -38,57 +40,68 @@ class Executor:
             self._decode(decode, version)
 
     def _prefill(self, seqs: list[Sequence], version: str, cache_tag: str) -> None:
-        misses = []
+        started, misses = [], []
         for seq in seqs:
             entry = self.cache.get(seq.prompt_key, cache_tag)
             if entry is None:
                 misses.append(seq)
             else:
                 seq.cached_tokens = entry.num_tokens
-                self._start(seq, entry.ctx, entry.logprobs, version)
-        if not misses:
-            return
-        ctxs, logprobs = self.runner.prefill([s.prompt for s in misses])
-        self.num_prefill_batches += 1
-        self.num_prefill_tokens += sum(s.num_prompt_tokens for s in misses)
-        for seq, ctx, lp in zip(misses, ctxs, logprobs, strict=True):
-            self.cache.put(seq.prompt_key, Entry(cache_tag, ctx, lp))
-            self._start(seq, ctx, lp, version)
+                started.append((seq, entry.ctx, entry.logprobs))
+        if misses:
+            ctxs, logprobs = self.runner.prefill([s.prompt for s in misses])
+            self.num_prefill_batches += 1
+            self.num_prefill_tokens += sum(s.num_prompt_tokens for s in misses)
+            for seq, ctx, lp in zip(misses, ctxs, logprobs, strict=True):
+                self.cache.put(seq.prompt_key, Entry(cache_tag, ctx, lp))
+                started.append((seq, ctx, lp))
+        self._start(started, version)
 
-    def _start(self, seq: Sequence, ctx: ContextKV, logprobs: torch.Tensor, version: str) -> None:
-        sp = seq.req.sampling
-        sampler = Sampler(sp, self.device) if sp.n == 1 else None
-        seq.beams = Beams(sp.n, sp.max_new_tokens, seq.stop_ids, self.device, sampler)
-        seq.beams.start(logprobs)
-        seq.record_version(version)
-        if seq.beams.is_done:
-            return
+    def _start(self, started: list[tuple[Sequence, ContextKV, torch.Tensor]], version: str) -> None:
+        """The first token(s) of every started request, from its prefill row, in one step."""
         cfg = self.runner.config
-        seq.ctx = ctx
-        seq.beam_kv = BeamKV(
-            cfg.num_layers,
-            sp.n,
-            cfg.num_kv_heads,
-            sp.max_new_tokens - 1,
-            cfg.head_dim,
-            self.runner.dtype,
-            self.device,
-        )
+        blocks = []
+        for i, (seq, _, _) in enumerate(started):
+            sp = seq.req.sampling
+            sampler = Sampler(sp, self.device) if sp.n == 1 else None
+            trie = seq.catalog.trie if seq.catalog is not None else None
+            beams = Beams(
+                sp.n, sp.max_new_tokens, seq.stop_ids, self.device, cfg.vocab_size, sampler, trie
+            )
+            seq.beams = beams
+            blocks.append(Block(beams, i, 1, sp.logits_processors))
+        beam_select.step(torch.stack([lp for _, _, lp in started]), blocks)
+        for seq, ctx, _ in started:
+            seq.record_version(version)
+            if seq.beams.is_done:
+                continue
+            sp = seq.req.sampling
+            seq.ctx = ctx
+            seq.beam_kv = BeamKV(
+                cfg.num_layers,
+                sp.n,
+                cfg.num_kv_heads,
+                sp.max_new_tokens - 1,
+                cfg.head_dim,
+                self.runner.dtype,
+                self.device,
+            )
 
     def _decode(self, seqs: list[Sequence], version: str) -> None:
         items = [
             DecodeItem(s.ctx, s.beam_kv, s.beams.next_input(), s.beams.num_steps - 1) for s in seqs
         ]
-        logprobs = self.runner.decode(items)  # [rows, vocab]
+        logits = self.runner.decode(items)  # [rows, vocab]
         self.num_decode_steps += 1
-        self.num_decode_rows += logprobs.shape[0]
-        row = 0
-        for seq, item in zip(seqs, items, strict=True):
-            n = seq.num_beams
-            parents = seq.beams.advance(logprobs[row : row + n])
-            row += n
+        self.num_decode_rows += logits.shape[0]
+        blocks, row = [], 0
+        for seq in seqs:
+            blocks.append(Block(seq.beams, row, seq.num_beams, seq.req.sampling.logits_processors))
+            row += seq.num_beams
+        parents = beam_select.step(logits, blocks)
+        for seq, item, par in zip(seqs, items, parents, strict=True):
             seq.record_version(version)
             if seq.beams.is_done:
                 seq.release_kv()
-            elif n > 1:
-                seq.beam_kv.reorder(parents, item.step + 1)
+            elif seq.num_beams > 1:
+                seq.beam_kv.reorder(par, item.step + 1)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from grctl.engine.logits_processors import LogitsRule
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -15,6 +17,8 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # True: neither EOS nor stop_token_ids end a sequence
+    use_catalog: bool = True  # constrain to the served item catalog, when one is loaded
+    logits_processors: tuple[LogitsRule, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -29,7 +33,22 @@ class GenerateRequest:
 class BeamResult:
     output_ids: list[int]
     sequence_score: float  # cumulative log-probability of output_ids
-    finish_reason: str  # "length" | "stop" | "abort"
+    finish_reason: str  # "length" | "stop" | "item_complete" | "abort"
+
+
+@dataclass
+class ItemResult:
+    """One beam read against the catalog the request was served with."""
+
+    rank: int
+    token_ids: list[int]
+    item_ids: list[int | str]  # every item on this path (several: a collision)
+    is_complete: bool  # the path ends at an item
+    score: float
+
+    @property
+    def item_id(self) -> int | str | None:
+        return self.item_ids[0] if self.item_ids else None
 
 
 @dataclass
@@ -37,7 +56,7 @@ class GenerateResult:
     request_id: str
     prompt_tokens: int
     output_ids: list[int]  # the top sequence
-    finish_reason: str  # "length" | "stop" | "abort"
+    finish_reason: str  # "length" | "stop" | "item_complete" | "abort"
     matched_stop: int | None  # the stop token that ended the top sequence, if any
     beams: list[BeamResult]  # n > 1: every beam, best first; n == 1: the one sequence
     weight_version: str  # the version the request finished on
@@ -45,6 +64,8 @@ class GenerateResult:
     output_token_logprobs: list[float] | None = None  # per output token, when asked
     cached_tokens: int = 0  # prompt tokens served from the prefill cache
     latency_s: float = 0.0
+    item_results: list[ItemResult] | None = None  # with a catalog: one per beam, in beam order
+    catalog_version: int | None = None  # the catalog version the request was served with
     extra: dict = field(default_factory=dict)
 
     @property

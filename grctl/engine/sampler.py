@@ -21,7 +21,7 @@ class Sampler:
             self.generator = torch.Generator(device=device).manual_seed(seed & (2**64 - 1))
 
     def choose(self, logprobs: torch.Tensor) -> torch.Tensor:
-        """logprobs [vocab] float32 -> the chosen token id, a 1-element int64 tensor."""
+        """logprobs [vocab] float32 (-inf: not allowed) -> the chosen token id, [1] int64."""
         if self.generator is None:
             return logprobs.argmax().view(1)
         logits = logprobs / self.temperature
@@ -35,4 +35,7 @@ class Sampler:
             drop = probs.cumsum(-1) - probs >= self.top_p
             logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
         probs = logits.softmax(-1)
+        # every token -inf (a catalog path whose children are all suppressed): any token, and
+        # its -inf score ends the sequence
+        probs = torch.nan_to_num(probs, nan=1.0)
         return torch.multinomial(probs, 1, generator=self.generator)

@@ -9,7 +9,7 @@ import torch
 
 from grctl.engine.beam import Beams
 from grctl.engine.kv_cache import BeamKV, ContextKV
-from grctl.engine.request import GenerateRequest, GenerateResult
+from grctl.engine.request import GenerateRequest, GenerateResult, ItemResult
 
 
 class Status(enum.Enum):
@@ -19,8 +19,15 @@ class Status(enum.Enum):
 
 
 class Sequence:
-    def __init__(self, request_id: str, req: GenerateRequest, stop_ids: tuple[int, ...]):
+    def __init__(
+        self,
+        request_id: str,
+        req: GenerateRequest,
+        stop_ids: tuple[int, ...],
+        catalog=None,  # the Catalog taken at submit: the request keeps this version throughout
+    ):
         self.request_id = request_id
+        self.catalog = catalog
         self.req = req
         self.prompt_key = tuple(req.input_ids)  # the prefill cache's key
         self.prompt = torch.tensor(self.prompt_key, dtype=torch.int64)
@@ -68,7 +75,7 @@ class Sequence:
         self.beam_kv = None
 
     def to_result(self, weight_version: str, aborted: bool = False) -> GenerateResult:
-        beams, logprobs = self.beams.results(aborted) if self.beams else ([], [])
+        beams, logprobs, nodes = self.beams.results(aborted) if self.beams else ([], [], [])
         top = beams[0] if beams else None
         reason = "abort" if aborted or top is None else top.finish_reason
         matched = top.output_ids[-1] if top is not None and top.finish_reason == "stop" else None
@@ -85,4 +92,15 @@ class Sequence:
             output_token_logprobs=logprobs if self.req.return_logprob else None,
             cached_tokens=self.cached_tokens,
             latency_s=time.monotonic() - self.arrival,
+            item_results=self._item_results(beams, nodes),
+            catalog_version=self.catalog.version if self.catalog is not None else None,
         )
+
+    def _item_results(self, beams, nodes: list[int]) -> list[ItemResult] | None:
+        if self.catalog is None:
+            return None
+        out = []
+        for rank, (beam, node) in enumerate(zip(beams, nodes, strict=True)):
+            ids = self.catalog.item_ids(node)
+            out.append(ItemResult(rank, list(beam.output_ids), ids, bool(ids), beam.sequence_score))
+        return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from grctl.engine.logits_processors import check_token_range
 from grctl.engine.model_config import ModelConfig
 from grctl.engine.request import GenerateRequest
 from grctl.errors import ValidationError
@@ -62,6 +63,7 @@ def validate_request(
     bad = next((t for t in sp.stop_token_ids if not _is_int(t) or not 0 <= t < vocab), None)
     if bad is not None:
         raise ValidationError(f"stop_token_ids holds {bad!r}, not a token id in [0, {vocab})")
+    check_token_range(sp.logits_processors, vocab)
 
 
 def stop_ids_of(req: GenerateRequest, cfg: ModelConfig) -> tuple[int, ...]:
