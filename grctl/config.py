@@ -36,8 +36,18 @@ class ServeConfig:
         False, "Turn on weight-sync routes (else 403).", "Weight updates"
     )
     weights_root: str | None = knob(
-        None, "Directory disk updates must read from.", "Weight updates"
+        None, "Dir that disk updates and catalogs read from.", "Weight updates"
     )
+    catalog: str | None = knob(
+        None,
+        "Item catalog JSONL: beams decode to its items.",
+        "Catalog",
+        aliases=("--catalog-jsonl",),
+    )
+    allow_catalog_reload: bool = knob(
+        False, "Turn on /catalog/reload and /rollback (else 403).", "Catalog"
+    )
+    max_catalog_bytes: int = knob(1 << 30, "Largest catalog file (400 over it).", "Catalog", min=1)
 
     def __post_init__(self) -> None:
         check_knobs(self)

@@ -198,9 +198,7 @@ def test_processors_with_catalog_equal_transformers(pair, tmp_path):
     ]
     sp = SamplingParams(max_new_tokens=3, n=4, logits_processors=parse_logits_processors(specs))
     (res,) = run(eng, [GenerateRequest(ids, sp)])
-    ref = reference(
-        hf, ids, rows, 4, 3, suppress_tokens=[banned], sequence_bias={(boosted,): 0.75}
-    )
+    ref = reference(hf, ids, rows, 4, 3, suppress_tokens=[banned], sequence_bias={(boosted,): 0.75})
     assert [b.output_ids for b in res.beams] == [s for s, _ in ref]
     assert all(banned not in b.output_ids for b in res.beams)
     got = torch.tensor([b.sequence_score for b in res.beams])

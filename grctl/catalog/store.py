@@ -117,9 +117,10 @@ class CatalogStore:
                 )
         return path
 
-    def load(self, path: str) -> Catalog:
-        """Build the catalog at `path` and serve it; on any error the old one keeps serving."""
-        path = self.checked_path(path)
+    def load(self, path: str, *, confine: bool = True) -> Catalog:
+        """Build the catalog at `path` and serve it; on any error the old one keeps serving.
+        `confine=False` (the operator's own --catalog) skips the --weights-root check."""
+        path = self.checked_path(path) if confine else path
         with self._reload_lock:
             catalog = build_catalog(
                 path,

@@ -26,11 +26,13 @@ from litestar.datastructures import State
 from litestar.openapi import OpenAPIConfig
 
 import grctl
+from grctl.catalog.store import CatalogStore
 from grctl.config import ServeConfig
 from grctl.server.auth import api_key_guard
 from grctl.server.exceptions import EXCEPTION_HANDLERS
 from grctl.server.limits import BodyLimitMiddleware
 from grctl.server.metrics import Metrics, MetricsMiddleware
+from grctl.server.routes_catalog import catalog_routes
 from grctl.server.routes_distributed import distributed_routes
 from grctl.server.routes_generate import generate_routes
 from grctl.server.routes_info import info_routes
@@ -60,6 +62,13 @@ async def engine_lifespan(app: Litestar) -> AsyncIterator[None]:
 def create_app(engine: Any, config: ServeConfig, tokenizer: Any | None = None) -> Litestar:
     """The grctl HTTP app over an engine that is not started yet; the lifespan starts it."""
     metrics = Metrics()
+    if engine.catalogs is None:  # reloads need a store even when none was loaded at start
+        engine.catalogs = CatalogStore(
+            engine.device,
+            engine.model.config.vocab_size,
+            max_bytes=config.max_catalog_bytes,
+            root=config.weights_root,
+        )
     if tokenizer is None:
         tokenizer = load_tokenizer(config.engine.model_path)
     state = State(
@@ -78,7 +87,13 @@ def create_app(engine: Any, config: ServeConfig, tokenizer: Any | None = None) -
         }
     )
     return Litestar(
-        route_handlers=[*generate_routes, *info_routes, *weight_routes, *distributed_routes],
+        route_handlers=[
+            *generate_routes,
+            *info_routes,
+            *weight_routes,
+            *distributed_routes,
+            *catalog_routes,
+        ],
         lifespan=[engine_lifespan],
         state=state,
         guards=[api_key_guard],

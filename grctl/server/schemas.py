@@ -12,6 +12,8 @@ import msgspec
 from litestar.openapi.datastructures import ResponseSpec
 from msgspec import Meta, Struct
 
+from grctl.server.schemas_catalog import ItemResultOut
+
 PosInt = Annotated[int, Meta(ge=1)]
 TokenId = Annotated[int, Meta(ge=0)]
 
@@ -25,6 +27,8 @@ class SamplingParamsBody(Struct, kw_only=True):
     seed: int | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
+    use_catalog: bool = True  # false: not constrained to the served item catalog
+    logits_processors: list[Any] | None = None  # also accepted at the top level
 
 
 class GenerateBody(Struct, kw_only=True):
@@ -36,6 +40,8 @@ class GenerateBody(Struct, kw_only=True):
     rid: str | None = None
     request_id: str | None = None  # alias of rid
     stream: bool = False  # streaming is not supported: true is a 400
+    # [{"type": "token_suppress" | "token_bias", ...}] (grctl/engine/logits_processors.py)
+    logits_processors: list[Any] | None = None
 
 
 class SubmitManyBody(Struct, kw_only=True):
@@ -57,7 +63,7 @@ class FlushCacheBody(Struct, kw_only=True):
 
 
 class FinishReason(Struct, kw_only=True, omit_defaults=True):
-    type: str  # "length" | "stop" | "abort"
+    type: str  # "length" | "stop" | "item_complete" | "abort"
     matched: int | None = None  # the stop token, when type == "stop"
     length: int | None = None  # the number of generated tokens, when type == "length"
 
@@ -85,6 +91,9 @@ class MetaInfo(Struct, kw_only=True, omit_defaults=True):
     e2e_latency: float
     # SGLang's shape: one [logprob, token_id, token_text] per output token; text is always null.
     output_token_logprobs: list[tuple[float, int, None]] | None = None
+    # with an item catalog: one row per beam, in beam order, and the catalog's version
+    item_results: list[ItemResultOut] | None = None
+    catalog_version: int | None = None
 
 
 class GenerateResponse(Struct, kw_only=True):

@@ -43,6 +43,11 @@ def serve(config: ServeConfig) -> None:
     setup_logging()
     engine = build_engine(config)
     app = create_app(engine, config)
+    if config.catalog is not None:
+        catalog = engine.catalogs.load(config.catalog, confine=False)
+        log.info(
+            "catalog %s: %d items, version %d", config.catalog, len(catalog.ids), catalog.version
+        )
     param = next(engine.model.parameters())
     log.info(
         "serving model=%s device=%s dtype=%s weight_version=%s at %s%s",

@@ -7,6 +7,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from grctl.engine.logits_processors import parse_logits_processors
 from grctl.engine.request import GenerateRequest, GenerateResult, SamplingParams
 from grctl.errors import ValidationError
 from grctl.server.schemas import (
@@ -18,6 +19,7 @@ from grctl.server.schemas import (
     MetaInfo,
     SamplingParamsBody,
 )
+from grctl.server.schemas_catalog import ItemResultOut
 
 log = logging.getLogger("grctl.server")
 
@@ -84,6 +86,9 @@ def to_request(body: GenerateBody, tokenizer: Any | None = None) -> GenerateRequ
         seed=sp.seed,
         stop_token_ids=tuple(sp.stop_token_ids or ()),
         ignore_eos=sp.ignore_eos,
+        use_catalog=sp.use_catalog,
+        logits_processors=parse_logits_processors(body.logits_processors)
+        + parse_logits_processors(sp.logits_processors),
     )
     return GenerateRequest(
         input_ids=tuple(prompt_ids(body, tokenizer)),
@@ -140,6 +145,20 @@ def to_response(result: GenerateResult, tokenizer: Any | None = None) -> Generat
         beam_results=beams,
         e2e_latency=result.latency_s,
         output_token_logprobs=logprobs,
+        item_results=None
+        if result.item_results is None
+        else [
+            ItemResultOut(
+                rank=r.rank,
+                token_ids=r.token_ids,
+                item_ids=r.item_ids,
+                item_id=r.item_id,
+                is_complete=r.is_complete,
+                score=r.score,
+            )
+            for r in result.item_results
+        ],
+        catalog_version=result.catalog_version,
     )
     return GenerateResponse(
         text=ids_text(result.output_ids, tokenizer), output_ids=result.output_ids, meta_info=meta

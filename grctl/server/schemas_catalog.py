@@ -1,0 +1,33 @@
+"""msgspec Structs of the catalog routes and of the item results in a generate reply."""
+
+from msgspec import Struct
+
+
+class CatalogReloadBody(Struct, kw_only=True):
+    path: str | None = None  # a JSONL file on the server (under --weights-root when set)
+
+
+class CatalogStatus(Struct, kw_only=True):
+    loaded: bool
+    version: int | None = None  # grows by one per reload; rollback returns to the previous one
+    num_items: int = 0
+    num_paths: int = 0  # distinct token paths (several items may share one)
+    max_depth: int = 0
+    nbytes: int = 0  # the trie and item ids, as held
+    source: str | None = None
+    loaded_at: float | None = None  # unix time
+    num_nodes: int = 0
+    num_collision_paths: int = 0
+    num_shadowed_items: int = 0  # items whose path extends another item's: never returned
+    previous_version: int | None = None  # what /catalog/rollback would serve
+    num_reloads: int = 0
+    num_rollbacks: int = 0
+
+
+class ItemResultOut(Struct, kw_only=True):
+    rank: int
+    token_ids: list[int]
+    item_ids: list[int | str]
+    item_id: int | str | None
+    is_complete: bool
+    score: float
