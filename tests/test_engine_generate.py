@@ -174,3 +174,36 @@ def test_half_precision_engine(dtype):
     scores = [b.sequence_score for b in beams]
     assert scores == sorted(scores, reverse=True) and all(s == s and s < 0 for s in scores)
     assert eng.status()["engine"]["dtype"] == str(dtype).removeprefix("torch.")
+
+
+@pytest.mark.parametrize(("width", "seed"), [(3, 9), (6, 21), (12, 4)])
+def test_beam_search_with_stop_token_equals_transformers(pair, engine, width, seed):
+    """Finished beams as transformers keeps them: n running beams beside a pool of n finished,
+    a beam that ends joins the pool only if it ranks in the first n candidates."""
+    ids = prompt(20, seed)
+    free = engine.generate(req(ids, max_new_tokens=4, n=width))
+    stop = free.beams[1].output_ids[1]  # a token some beam emits at step 2
+    res = engine.generate(req(ids, max_new_tokens=4, n=width, stop_token_ids=(stop,)))
+    out = pair[0].generate(
+        torch.tensor([ids]),
+        max_new_tokens=4,
+        num_beams=width,
+        num_return_sequences=width,
+        do_sample=False,
+        length_penalty=0.0,
+        early_stopping=False,
+        eos_token_id=stop,
+        pad_token_id=stop,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    lengths = (out.beam_indices >= 0).sum(1).tolist()
+    hf_seqs = [
+        s[len(ids) : len(ids) + n] for s, n in zip(out.sequences.tolist(), lengths, strict=True)
+    ]
+    assert [b.output_ids for b in res.beams] == hf_seqs
+    scores = torch.tensor([b.sequence_score for b in res.beams])
+    assert torch.allclose(scores, out.sequences_scores.float(), atol=1e-4)
+    assert any(b.finish_reason == "stop" for b in res.beams)
+    for b in res.beams:
+        assert (b.finish_reason == "stop") == (b.output_ids[-1] == stop)
