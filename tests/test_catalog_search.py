@@ -18,7 +18,8 @@ import torch
 import transformers
 
 from grctl.catalog.store import CatalogStore
-from grctl.engine.engine import Engine, EngineConfig
+from grctl.engine.config import EngineConfig
+from grctl.engine.engine import Engine
 from grctl.engine.logits_processors import parse_logits_processors
 from grctl.engine.request import GenerateRequest, SamplingParams
 from tests.test_model_parity import hf_and_ours

@@ -3,7 +3,7 @@
 Decode attention reads each request's own context KV (a different length per request, changing
 every step), so it stays eager; everything around it is captured. Per bucket of `rows` beams the
 step is L + 1 graphs over static buffers: [rope + embed + pre-attention 0], [post-attention i-1 +
-pre-attention i] for each next layer, [post-attention L-1 + norm + lm_head + log_softmax]; eager
+pre-attention i] for each next layer, [post-attention L-1 + norm + lm_head]; eager
 attention runs between replays, reading q/k/v from and writing its output to the static buffers.
 A batch pads up to the smallest bucket that holds it (padding rows compute garbage that is never
 read); a batch larger than every bucket runs eagerly. Weights are only ever written in place, so a
@@ -58,7 +58,7 @@ class _Bucket:
         self.k = empty(rows, cfg.num_kv_heads, cfg.head_dim)
         self.v = empty(rows, cfg.num_kv_heads, cfg.head_dim)
         self.attn = empty(rows, cfg.q_size)
-        self.logprobs = empty(rows, cfg.vocab_size, dt=torch.float32)
+        self.logits = empty(rows, cfg.vocab_size, dt=torch.float32)
         num_layers = cfg.num_layers
         pieces = [lambda: self._first()]
         pieces += [lambda i=i: self._middle(i) for i in range(1, num_layers)]
@@ -87,7 +87,7 @@ class _Bucket:
 
     def _last(self) -> None:
         self._post(self.model.config.num_layers - 1)
-        self.logprobs.copy_(torch.log_softmax(self.model.logits(self.h), dim=-1))
+        self.logits.copy_(self.model.logits(self.h))
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         n = ids.shape[0]
@@ -99,7 +99,7 @@ class _Bucket:
             graph.replay()
             attend(i, self.q[:n], self.k[:n], self.v[:n], self.attn)
         self.graphs[-1].replay()
-        return self.logprobs[:n].clone()
+        return self.logits[:n].clone()
 
 
 class DecodeGraphs:

@@ -83,7 +83,8 @@ class ModelRunner:
     def decode(self, items: list[DecodeItem]) -> torch.Tensor:
         """One token per beam of every item; writes each beam's KV at its `step`.
 
-        Returns log-probabilities [total beams, vocab] in float32, items in order."""
+        Returns logits [total beams, vocab] in float32, items in order: the search
+        (beam_select.py) takes a log-sum-exp and a top-k per row, never a full log-softmax."""
         ids = torch.cat([it.input_ids for it in items]).to(self.device, non_blocking=True)
         positions = torch.cat(
             [torch.full((it.beam_kv.num_beams,), it.ctx.length + it.step) for it in items]
@@ -97,7 +98,7 @@ class ModelRunner:
         for i, layer in enumerate(self.model.layers):
             q, k, v = layer.pre_attention(h, cos, sin)
             h = layer.post_attention(h, self.attend(i, items, q, k, v))
-        return torch.log_softmax(self.model.logits(h), dim=-1)
+        return self.model.logits(h)
 
     def attend(
         self,
