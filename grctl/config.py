@@ -32,6 +32,9 @@ class ServeConfig:
     max_http_submit_many: int = knob(32, "Most requests in one /submit_many.", "HTTP", min=1)
     generate_timeout_s: float = knob(300.0, "/generate answers 504 after this.", "HTTP", min=0.001)
     log_requests: bool = knob(False, "Log one JSON line per request (stderr).", "HTTP")
+    metrics_auth: bool = knob(False, "Require the API key on /metrics too.", "HTTP")
+    served_model_name: str | None = knob(None, "Name to report; default: the path.", "Model")
+    router_url: str | None = knob(None, "sglang-router to join (leave at exit).", "HTTP")
     allow_weight_update: bool = knob(
         False, "Turn on weight-sync routes (else 403).", "Weight updates"
     )
@@ -48,6 +51,9 @@ class ServeConfig:
         False, "Turn on /catalog/reload and /rollback (else 403).", "Catalog"
     )
     max_catalog_bytes: int = knob(1 << 30, "Largest catalog file (400 over it).", "Catalog", min=1)
+    enable_memory_saver: bool = knob(
+        False, "Turn on /release|resume_memory_occupation.", "Weight updates"
+    )
 
     def __post_init__(self) -> None:
         check_knobs(self)

@@ -89,6 +89,12 @@ class WeightsInconsistent(GrctlError):
     code, status, retryable = "weights_inconsistent", 503, True
 
 
+class MemoryReleased(GrctlError):
+    """/release_memory_occupation freed weights, KV or graphs: nothing runs until they are back."""
+
+    code, status, retryable = "memory_released", 503, True
+
+
 class NotReady(GrctlError):
     code, status, retryable = "not_ready", 503, True
 
@@ -113,6 +119,7 @@ ERRORS_BY_CODE: dict[str, type[GrctlError]] = {
         InternalError,
         Paused,
         WeightsInconsistent,
+        MemoryReleased,
         NotReady,
         GenerateTimeout,
     )

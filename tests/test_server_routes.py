@@ -39,8 +39,9 @@ def test_generate_greedy_shape(http):
     assert meta["beam_width"] == 1 and len(meta["beam_results"]) == 1
     assert meta["beam_results"][0]["output_ids"] == ids
     assert "output_token_logprobs" not in meta
-    # [[S]] is the same prompt as [S]; numbers as strings and unknown keys are accepted.
-    again = generate(
+    # [[S]] is a batch of one (a list of one reply, as in SGLang) of the same prompt; numbers as
+    # strings and unknown keys are accepted.
+    (again,) = generate(
         http,
         [[1, 2, 3]],
         sampling_params={"max_new_tokens": "3", "temperature": "0", "skip_special_tokens": True},
@@ -88,7 +89,12 @@ def test_generate_stop_token(http):
     [
         {},  # no prompt
         {"input_ids": []},
-        {"input_ids": [[1, 2], [3, 4]]},  # a batch of rows
+        {"input_ids": [[1, 2], []]},  # a batch with an empty prompt
+        {"input_ids": [[1, 2], [3]], "rid": ["a"]},  # one rid for two prompts
+        {"input_ids": [[1, 2], [3]], "rid": "a"},  # a batch takes a list of rids
+        {"input_ids": [1, 2], "rid": ["a"]},  # one prompt takes a string
+        {"input_ids": [[1, 2], [3]], "sampling_params": [{}, {}, {}]},
+        {"input_ids": [[1, 2], [3]], "sampling_params": [{}, {"n": 0}]},
         {"input_ids": [1, [2]]},
         {"input_ids": "1 2 3"},
         {"input_ids": [-1]},

@@ -34,7 +34,13 @@ class EngineConfig:
     )
     max_running_requests: int = knob(64, "Requests decoded together.", "Scheduling", min=1)
     max_waiting_requests: int = knob(1024, "Queued requests before 429.", "Scheduling", min=1)
-    max_context_len: int = knob(8192, "Longest prompt + output, in tokens.", "Scheduling", min=1)
+    max_context_len: int = knob(
+        8192,
+        "Longest prompt + output, in tokens.",
+        "Scheduling",
+        min=1,
+        aliases=("--context-length",),  # SGLang's name
+    )
     max_beam_width: int = knob(256, "Largest n (beam width).", "Scheduling", min=1)
     max_new_tokens: int = knob(64, "Largest max_new_tokens a request may ask.", "Scheduling", min=1)
     prefill_token_budget: int = knob(8192, "Prompt tokens prefilled per step.", "Scheduling", min=1)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from grctl.engine.executor import Executor
+from grctl.engine.memory import MemorySaver
 from grctl.engine.model_runner import ModelRunner
 from grctl.engine.prefill_cache import PrefillCache
 from grctl.engine.qwen3 import Qwen3ForCausalLM
@@ -57,6 +58,8 @@ class EngineCore:
         self.results = ResultStore(config.max_finished_results)
         self.stats = EngineStats()
         self.catalogs = None  # a CatalogStore: requests constrained to its current catalog
+        self.memory = MemorySaver()
+        self._memory_lock = threading.Lock()  # one release/resume at a time
         self._cond = threading.Condition()
         self._seqs: dict[str, Sequence] = {}  # in flight: waiting or running
         self._step_ids: set[str] = set()  # the requests of the step being computed
@@ -124,7 +127,7 @@ class EngineCore:
 
     # ---- the step -----------------------------------------------------------------------
     def _can_progress(self) -> bool:
-        return not self.is_paused and self._weights_consistent
+        return not self.is_paused and self._weights_consistent and not self.memory.released
 
     def _can_compute(self) -> bool:
         return self._can_progress() and not (self._exclusive or self._computing or self._stopping)

@@ -13,6 +13,7 @@ graph replayed after a weight update reads the new values.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -114,12 +115,18 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle() if is_cuda else None
         self.buckets: dict[int, _Bucket] = {}
         self.num_replays = 0
+        self._capture = capture
         with torch.inference_mode():
             for rows in sorted(buckets, reverse=True):  # largest first: smaller ones reuse pool
                 self.buckets[rows] = _Bucket(model, rows, device, pool, capture)
         if is_cuda:
             torch.cuda.synchronize(device)
         self._sizes = sorted(self.buckets)
+
+    def factory(self) -> Callable[[Qwen3ForCausalLM, torch.device], DecodeGraphs]:
+        """Captures the same buckets again (after the weights' storage moved), holding no
+        reference to these graphs or their buffers."""
+        return partial(DecodeGraphs, buckets=tuple(self._sizes), capture=self._capture)
 
     def fits(self, rows: int) -> bool:
         return rows <= self._sizes[-1]

@@ -6,9 +6,11 @@ weight update and the cache flush are decided here, each under the core's one lo
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from grctl.engine import memory
 from grctl.engine.core import EngineCore
 from grctl.engine.request import GenerateRequest, GenerateResult
 from grctl.engine.sequence import Sequence
@@ -47,6 +49,8 @@ class Engine(EngineCore):
                 raise NotReady("the engine is stopping", hint="retry on another server")
             if self.pause_mode is not None:
                 raise Paused("generation is paused", hint="retry after /continue_generation")
+            if self.memory.released:
+                raise self.memory.error("generation is refused")
             if not self._weights_consistent:
                 raise WeightsInconsistent(
                     "a weight update failed part-way; generation is refused",
@@ -90,15 +94,35 @@ class Engine(EngineCore):
 
     def generate(self, req: GenerateRequest, timeout: float | None = None) -> GenerateResult:
         """submit + result; on timeout the request is cancelled and its result dropped."""
-        rid = self.submit(req)
+        return self.generate_many([req], timeout)[0]
+
+    def generate_many(
+        self, reqs: list[GenerateRequest], timeout: float | None = None
+    ) -> list[GenerateResult]:
+        """Submit every request (all or none), then wait for each: one scheduler batch. On a
+        timeout (for the whole batch) or any error, the unfinished ones are cancelled."""
+        rids: list[str] = []
+        results: list[GenerateResult] = []
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            return self.result(rid, timeout)
-        except GenerateTimeout:
-            with self._cond:
-                if self._cancel_locked(rid):
-                    self._cond.wait_for(lambda: rid not in self._seqs, 5.0)
-                self.results.pop(rid)
+            for req in reqs:
+                rids.append(self.submit(req))
+            for rid in rids:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                results.append(self.result(rid, left))
+        except BaseException:
+            self.discard(rids[len(results) :])
             raise
+        return results
+
+    def discard(self, request_ids: list[str]) -> None:
+        """Cancel requests and drop their results, as if they had never been submitted."""
+        with self._cond:
+            for rid in request_ids:
+                self._cancel_locked(rid)
+            self._cond.wait_for(lambda: not any(r in self._seqs for r in request_ids), 5.0)
+            for rid in request_ids:
+                self.results.pop(rid)
 
     def cancel(self, request_id: str) -> bool:
         with self._cond:
@@ -150,6 +174,8 @@ class Engine(EngineCore):
                     hint="call /pause_generation first (mode=abort) "
                     "or pass abort_all_requests=true",
                 )
+            if self.memory.is_released("weights"):
+                raise self.memory.error("the weights cannot be written")
             self._exclusive += 1
             self._cond.wait_for(lambda: not self._computing)
             num_aborted = self._abort_all_locked() if abort_all_requests else 0
@@ -176,6 +202,32 @@ class Engine(EngineCore):
             )
             return (True, self.cache.clear()) if idle else (False, 0)
 
+    # ---- memory (verl's colocated rollout) ----------------------------------------------
+    def release_memory(self, tags: list[str] | None = None) -> list[str]:
+        """Free device memory by tag (memory.py); generation is refused until all are back."""
+        return self._move_memory(self.memory.release, tags, needs_idle=True)
+
+    def resume_memory(self, tags: list[str] | None = None) -> list[str]:
+        return self._move_memory(self.memory.resume, tags, needs_idle=False)
+
+    def _move_memory(self, move, tags: list[str] | None, needs_idle: bool) -> list[str]:
+        tags = memory.check_tags(tags)
+        with self._memory_lock:  # one release or resume at a time
+            with self._cond:
+                if needs_idle and (self._seqs or self._exclusive):
+                    raise Conflict(
+                        "requests are in flight or a weight update runs; memory stays occupied",
+                        hint="wait for them, or POST /pause_generation (mode abort) first",
+                    )
+                self._exclusive += 1  # no step and no update starts while memory moves
+            try:
+                move(self, tags)
+            finally:
+                with self._cond:
+                    self._exclusive -= 1
+                    self._cond.notify_all()
+            return sorted(self.memory.released)
+
     def clear_prefill_cache(self) -> int:
         return self.cache.clear()
 
@@ -187,6 +239,8 @@ class Engine(EngineCore):
                 reasons.append("paused")
             if not self._weights_consistent:
                 reasons.append("weights_inconsistent")
+            if self.memory.released:
+                reasons.append("memory_released")
             if not self.is_worker_alive:
                 reasons.append("worker_not_running")
             if len(self.scheduler.waiting) >= self.config.max_waiting_requests:

@@ -111,6 +111,7 @@ class EngineStats:
                 "weight_version": engine.weight_version,
                 "weights_consistent": engine.is_weights_consistent,
                 "cuda_graph": graphs.stats() if graphs is not None else {"enabled": False},
+                "memory": engine.memory.stats(),
                 "errors": self.num_errors,
                 "last_error": self.last_error,
                 "uptime_s": time.time() - self.started_at,

@@ -23,20 +23,20 @@ import anyio
 from anyio import to_thread
 from litestar import Litestar
 from litestar.datastructures import State
-from litestar.openapi import OpenAPIConfig
 
-import grctl
 from grctl.catalog.store import CatalogStore
 from grctl.config import ServeConfig
 from grctl.server.auth import api_key_guard
 from grctl.server.exceptions import EXCEPTION_HANDLERS
 from grctl.server.limits import BodyLimitMiddleware
 from grctl.server.metrics import Metrics, MetricsMiddleware
+from grctl.server.openapi import openapi_config, swagger_assets
 from grctl.server.routes_catalog import catalog_routes
-from grctl.server.routes_distributed import distributed_routes
+from grctl.server.routes_distributed import distributed_router
 from grctl.server.routes_generate import generate_routes
 from grctl.server.routes_info import info_routes
-from grctl.server.routes_weights import weight_routes
+from grctl.server.routes_memory import memory_router
+from grctl.server.routes_weights import weight_router
 from grctl.server.wire import load_tokenizer
 from grctl.weights.checker import WeightsChecker
 from grctl.weights.loader import DEFAULT_MODEL_NAME
@@ -90,9 +90,11 @@ def create_app(engine: Any, config: ServeConfig, tokenizer: Any | None = None) -
         route_handlers=[
             *generate_routes,
             *info_routes,
-            *weight_routes,
-            *distributed_routes,
+            weight_router,
+            distributed_router,
+            memory_router,
             *catalog_routes,
+            swagger_assets(),
         ],
         lifespan=[engine_lifespan],
         state=state,
@@ -103,6 +105,6 @@ def create_app(engine: Any, config: ServeConfig, tokenizer: Any | None = None) -
         ],
         exception_handlers=EXCEPTION_HANDLERS,
         request_max_body_size=None,  # BodyLimitMiddleware is the one place the limit lives
-        openapi_config=OpenAPIConfig(title="grctl", version=grctl.__version__),
+        openapi_config=openapi_config(),
         debug=False,
     )

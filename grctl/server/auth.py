@@ -1,6 +1,8 @@
 """The API-key guard: `X-GR-API-Key: <key>` or `Authorization: Bearer <key>`.
 
-Off without --api-key. Handlers with `opt={"auth_exempt": True}` (/health, /ready) skip it.
+Off without --api-key. Handlers with `opt={"auth_exempt": True}` (/health, /ready) skip it, and
+so does /metrics (`opt={"metrics": True}`) unless --metrics-auth: scrapers of SGLang and vLLM
+expect it open.
 A missing key is 401 unauthorized (with WWW-Authenticate), a wrong one 403 forbidden.
 """
 
@@ -24,8 +26,11 @@ def presented_key(connection: ASGIConnection) -> str | None:
 
 
 def api_key_guard(connection: ASGIConnection, route_handler: BaseRouteHandler) -> None:
-    expected: str | None = connection.app.state.config.api_key
+    config = connection.app.state.config
+    expected: str | None = config.api_key
     if expected is None or route_handler.opt.get("auth_exempt"):
+        return
+    if route_handler.opt.get("metrics") and not config.metrics_auth:
         return
     key = presented_key(connection)
     if not key:

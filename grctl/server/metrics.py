@@ -100,6 +100,50 @@ class Metrics:
         return "\n".join(lines) + "\n"
 
 
+# The status numbers that only grow (a prefill-cache flush resets its own, which Prometheus reads
+# as a counter reset); /metrics exposes them as `<name>_total` counters, every other as a gauge.
+COUNTER_SERIES = frozenset(
+    [
+        *(
+            f"gr_scheduler_{k}"
+            for k in (
+                "finished",
+                "evicted_results",
+                "steps",
+                "prefill_batches",
+                "prefill_tokens",
+                "decode_steps",
+                "decode_rows",
+            )
+        ),
+        *(f"gr_prefill_cache_{k}" for k in ("hits", "misses", "inserts", "evictions")),
+        *(
+            f"gr_requests_{k}"
+            for k in (
+                "submitted",
+                "finished",
+                "succeeded",
+                "aborted",
+                "prompt_tokens",
+                "cached_tokens",
+                "generated_tokens",
+                "latency_s_sum",
+            )
+        ),
+        "gr_engine_errors",
+        "gr_engine_cuda_graph_replays",
+        "gr_weights_weight_update_count",
+    ]
+)
+
+
+def split_series(values: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+    """(counters named `<name>_total`, gauges) out of a flat status."""
+    counters = {f"{k}_total": v for k, v in values.items() if k in COUNTER_SERIES}
+    gauges = {k: v for k, v in values.items() if k not in COUNTER_SERIES}
+    return counters, gauges
+
+
 def numeric_gauges(prefix: str, tree: dict) -> dict[str, float]:
     """Every int, float or bool leaf of a nested status dict, as gr_<path> gauges."""
     out: dict[str, float] = {}

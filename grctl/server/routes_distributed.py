@@ -7,10 +7,11 @@ live in a GroupRegistry on app.state, made on first use.
 
 from __future__ import annotations
 
-from litestar import post
+from litestar import Router, post
 from litestar.datastructures import State
 
-from grctl.server.routes_weights import UPDATE_OPT, in_thread, update_options, weight_update_guard
+from grctl.server.offload import offload
+from grctl.server.routes_weights import UPDATE_OPT, update_options, weight_update_guard
 from grctl.server.schemas_weights import (
     DestroyGroupBody,
     InitGroupBody,
@@ -30,7 +31,6 @@ def groups(state: State) -> GroupRegistry:
 @post(
     "/init_weights_update_group",
     status_code=200,
-    opt=UPDATE_OPT,
     summary="Join the trainer's process group (blocks until the trainer joins as rank 0)",
 )
 async def init_weights_update_group(
@@ -48,7 +48,7 @@ async def init_weights_update_group(
     # grctl serves on one rank, so this server's rank is rank_offset itself.
     rank = body.rank_offset
     args = (body.group_name, backend, body.master_address, body.master_port, rank, body.world_size)
-    await in_thread(state, groups(state).init, *args)
+    await offload(state, groups(state).init, *args)
     return SuccessResponse(
         success=True,
         message=f"Succeeded to join group {body.group_name!r} as rank {rank} of "
@@ -59,7 +59,6 @@ async def init_weights_update_group(
 @post(
     "/update_weights_from_distributed",
     status_code=200,
-    opt=UPDATE_OPT,
     summary="Receive a broadcast from rank 0 of a group and load it in place",
 )
 async def update_weights_from_distributed(
@@ -67,7 +66,7 @@ async def update_weights_from_distributed(
 ) -> SuccessResponse:
     body = data or UpdateFromDistributedBody()
     specs = distributed.parse_specs(body.names, body.dtypes, body.shapes)
-    outcome = await in_thread(
+    outcome = await offload(
         state,
         distributed.update_from_distributed,
         state.updater,
@@ -87,21 +86,23 @@ async def update_weights_from_distributed(
 @post(
     "/destroy_weights_update_group",
     status_code=200,
-    opt=UPDATE_OPT,
     summary="Leave and destroy a weight update group",
 )
 async def destroy_weights_update_group(
     state: State, data: DestroyGroupBody | None = None
 ) -> SuccessResponse:
     body = data or DestroyGroupBody()
-    await in_thread(state, groups(state).destroy, body.group_name)
+    await offload(state, groups(state).destroy, body.group_name)
     return SuccessResponse(success=True, message=f"Destroyed group {body.group_name!r}.")
 
 
-distributed_routes = [
-    init_weights_update_group,
-    update_weights_from_distributed,
-    destroy_weights_update_group,
-]
-for _handler in distributed_routes:
-    _handler.guards = [*(_handler.guards or []), weight_update_guard]
+distributed_router = Router(
+    path="/",
+    guards=[weight_update_guard],
+    opt=UPDATE_OPT,
+    route_handlers=[
+        init_weights_update_group,
+        update_weights_from_distributed,
+        destroy_weights_update_group,
+    ],
+)

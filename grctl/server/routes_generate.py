@@ -1,16 +1,13 @@
 """Generation routes: /generate, /submit, /submit_many, /poll, /result, /cancel, /abort_request.
 
-Engine calls that wait (generate, result) run in a worker thread; the others only take the
-engine's lock briefly (it is never held during a model step), so they run on the event loop.
+Engine calls that wait (generate, result) run in a worker thread (offload.py); the others only
+take the engine's lock briefly (it is never held during a model step), so they run on the event
+loop. /generate takes one prompt or, as SGLang does, a batch: input_ids [[...], ...] (or text
+[...]) answers a list of replies in order, computed in the same engine batch.
 """
 
 from __future__ import annotations
 
-import contextlib
-from functools import partial
-from typing import Any
-
-from anyio import to_thread
 from litestar import get, post
 from litestar.datastructures import State
 from litestar.params import Parameter
@@ -18,8 +15,9 @@ from litestar.status_codes import HTTP_202_ACCEPTED
 
 from grctl.engine.request import GenerateRequest, GenerateResult
 from grctl.engine.validation import validate_request
-from grctl.errors import DuplicateRequestId, GrctlError, PayloadTooLarge
+from grctl.errors import DuplicateRequestId, PayloadTooLarge
 from grctl.errors import ValidationError as BadRequest
+from grctl.server.offload import offload
 from grctl.server.schemas import (
     AbortRequestBody,
     AbortRequestResponse,
@@ -33,32 +31,37 @@ from grctl.server.schemas import (
     SubmitResponse,
     error_responses,
 )
-from grctl.server.wire import to_request, to_response
+from grctl.server.wire import to_requests, to_response
 
 
-async def in_thread(state: State, fn, *args, **kwargs):
-    """Run an engine call that waits in a worker thread, so the event loop never blocks."""
-    call = partial(fn, *args, **kwargs)
-    return await to_thread.run_sync(call, limiter=state.waiters, abandon_on_cancel=True)
-
-
-async def run_to_end(state: State, req: GenerateRequest) -> GenerateResult:
-    """Submit and wait up to --generate-timeout-s; the engine cancels a request that overruns."""
-    timeout = state.config.generate_timeout_s
-    result = await in_thread(state, state.engine.generate, req, timeout=timeout)
-    state.metrics.observe_result(result)
-    return result
+async def run_to_end(state: State, reqs: list[GenerateRequest]) -> list[GenerateResult]:
+    """Submit all, wait for all, up to --generate-timeout-s; the engine cancels what overruns,
+    and a cancelled handler cancels its requests."""
+    engine = state.engine
+    results = await offload(
+        state,
+        engine.generate_many,
+        reqs,
+        timeout=state.config.generate_timeout_s,
+        on_cancel=lambda: engine.discard([r.request_id for r in reqs]),
+    )
+    for result in results:
+        state.metrics.observe_result(result)
+    return results
 
 
 @post(
     "/generate",
     status_code=200,
-    summary="Generate (SGLang-compatible); n > 1 is beam search",
+    summary="Generate (SGLang-compatible); n > 1 is beam search; a batch of prompts gives a list",
     responses=error_responses(400, 409, 413, 429, 503, 504),
 )
-async def generate(state: State, data: GenerateBody | None = None) -> GenerateResponse:
-    req = to_request(data or GenerateBody(), state.tokenizer)
-    return to_response(await run_to_end(state, req), state.tokenizer)
+async def generate(
+    state: State, data: GenerateBody | None = None
+) -> GenerateResponse | list[GenerateResponse]:
+    reqs, is_batch = to_requests(data or GenerateBody(), state.tokenizer)
+    replies = [to_response(r, state.tokenizer) for r in await run_to_end(state, reqs)]
+    return replies if is_batch else replies[0]
 
 
 @post(
@@ -68,8 +71,10 @@ async def generate(state: State, data: GenerateBody | None = None) -> GenerateRe
     responses=error_responses(400, 409, 413, 429, 503),
 )
 async def submit(state: State, data: GenerateBody | None = None) -> SubmitResponse:
-    req = to_request(data or GenerateBody(), state.tokenizer)
-    return SubmitResponse(request_id=state.engine.submit(req))
+    reqs, is_batch = to_requests(data or GenerateBody(), state.tokenizer)
+    if is_batch:
+        raise BadRequest("/submit takes one prompt", hint="use /submit_many for a batch")
+    return SubmitResponse(request_id=state.engine.submit(reqs[0]))
 
 
 @post(
@@ -87,7 +92,7 @@ async def submit_many(state: State, data: SubmitManyBody | None = None) -> Submi
             hint="split the batch, or raise --max-http-submit-many",
         )
     engine, cfg = state.engine, state.engine.config
-    reqs = [to_request(b, state.tokenizer) for b in bodies]
+    reqs = [one_request(b, state.tokenizer) for b in bodies]
     for req in reqs:  # every row passes the engine's own checks before any is queued
         validate_request(
             req,
@@ -104,18 +109,16 @@ async def submit_many(state: State, data: SubmitManyBody | None = None) -> Submi
         for req in reqs:
             queued.append(engine.submit(req))
     except Exception:  # paused, overloaded or a taken id part-way: take the batch back
-        await in_thread(state, discard, engine, queued)
+        await offload(state, engine.discard, queued)
         raise
     return SubmitManyResponse(request_ids=queued)
 
 
-def discard(engine: Any, request_ids: list[str]) -> None:
-    """Cancel requests and drop their results, as if they had never been submitted."""
-    for request_id in request_ids:
-        engine.cancel(request_id)
-    for request_id in request_ids:
-        with contextlib.suppress(GrctlError):
-            engine.result(request_id, timeout=5.0)
+def one_request(body: GenerateBody, tokenizer) -> GenerateRequest:
+    reqs, is_batch = to_requests(body, tokenizer)
+    if is_batch:
+        raise BadRequest("each /submit_many request takes one prompt, not a batch")
+    return reqs[0]
 
 
 @get(
@@ -141,7 +144,7 @@ async def result(
     timeout: float | None = Parameter(default=None, ge=0, description="seconds to wait"),
 ) -> GenerateResponse:
     wait = state.config.generate_timeout_s if timeout is None else timeout
-    res = await in_thread(state, state.engine.result, request_id, timeout=wait)
+    res = await offload(state, state.engine.result, request_id, timeout=wait)
     state.metrics.observe_result(res)
     return to_response(res, state.tokenizer)
 

@@ -12,8 +12,8 @@ from litestar.params import Parameter
 import grctl
 from grctl.engine.request import GenerateRequest, SamplingParams
 from grctl.errors import CacheBusy, GrctlError, NotReady
-from grctl.server.metrics import numeric_gauges
-from grctl.server.routes_generate import in_thread
+from grctl.server.metrics import numeric_gauges, split_series
+from grctl.server.offload import offload
 from grctl.server.schemas import (
     FlushCacheBody,
     FlushCacheResponse,
@@ -42,6 +42,10 @@ def weights_info(state: State) -> dict[str, Any]:
     }
 
 
+def served_model_name(state: State) -> str:
+    return state.config.served_model_name or state.model_path
+
+
 @get("/health", opt=EXEMPT, summary="Liveness: the HTTP server answers")
 async def health() -> HealthResponse:
     return HealthResponse(ok=True)
@@ -66,16 +70,17 @@ async def status(state: State) -> dict[str, Any]:
     return {**state.engine.status(), "weights": weights_info(state)}
 
 
-@get("/metrics", media_type=MediaType.TEXT, summary="Prometheus text format")
+@get(
+    "/metrics",
+    media_type=MediaType.TEXT,
+    opt={"metrics": True},  # open unless --metrics-auth (auth.py)
+    summary="Prometheus text format",
+)
 async def metrics(state: State) -> str:
     engine = state.engine
-    status = engine.status()
-    # The engine's cumulative request counts are counters; every other number is a gauge.
-    counters = {
-        f"{k}_total": v
-        for k, v in numeric_gauges("gr_requests", status.pop("requests", {})).items()
-    }
-    gauges = numeric_gauges("gr", {**status, "weights": weights_info(state)})
+    counters, gauges = split_series(
+        numeric_gauges("gr", {**engine.status(), "weights": weights_info(state)})
+    )
     gauges["gr_ready"] = float(not engine.ready_reasons())
     gauges["gr_in_flight_requests"] = float(engine.num_in_flight())
     return state.metrics.render(gauges, counters)
@@ -100,7 +105,8 @@ async def server_info(state: State) -> ServerInfo:
         weight_version=state.engine.weight_version,
         device=str(param.device),
         dtype=str(param.dtype).removeprefix("torch."),
-        served_model_name=state.model_path,
+        served_model_name=served_model_name(state),
+        enable_memory_saver=state.config.enable_memory_saver,
         context_length=cfg.max_context_len,
         max_running_requests=cfg.max_running_requests,
         max_waiting_requests=cfg.max_waiting_requests,
@@ -116,6 +122,7 @@ async def server_info(state: State) -> ServerInfo:
 async def model_info(state: State) -> ModelInfo:
     return ModelInfo(
         model_path=state.model_path,
+        served_model_name=served_model_name(state),
         weight_version=state.engine.weight_version,
         tokenizer_path=state.model_path if state.tokenizer is not None else None,
         vocab_size=state.engine.model.config.vocab_size,
@@ -130,14 +137,20 @@ async def health_generate(state: State) -> HealthResponse:
         request_id=f"health_generate-{new_request_id()}",
     )
     try:
-        await in_thread(state, state.engine.generate, req, timeout=HEALTH_GENERATE_TIMEOUT_S)
+        await offload(
+            state,
+            state.engine.generate,
+            req,
+            timeout=HEALTH_GENERATE_TIMEOUT_S,
+            on_cancel=lambda: state.engine.discard([req.request_id]),
+        )
     except GrctlError as exc:
         raise NotReady(f"health generate failed: {exc}") from exc
     return HealthResponse(ok=True)
 
 
 async def flush(state: State, timeout: float | None) -> Response[FlushCacheResponse]:
-    ok, cleared = await in_thread(state, state.engine.flush_cache, timeout=timeout or 0.0)
+    ok, cleared = await offload(state, state.engine.flush_cache, timeout=timeout or 0.0)
     if ok:
         return Response(FlushCacheResponse(success=True, entries_cleared=cleared), status_code=200)
     busy = CacheBusy(

@@ -1,24 +1,25 @@
 """Weight-sync routes (protocol.md "Weight sync"), off unless --allow-weight-update.
 
 Handlers stay thin: parse a Struct, call the engine or the WeightUpdater (app.state.updater) in a
-worker thread, return a Struct. The update routes carry opt sglang_errors=True, so their errors
-also hold top-level `success: false` and `message`, which SGLang-style clients read.
+worker thread, return a Struct. The routes sit on one Router that carries the
+--allow-weight-update guard; the update routes sit on a nested Router with opt sglang_errors=True,
+so their errors also hold top-level `success: false` and `message`, which SGLang-style clients
+read.
 """
 
 from __future__ import annotations
 
 import json
-from functools import partial
 from pathlib import Path
 
 import msgspec
-from anyio import to_thread
-from litestar import Request, get, post, route
+from litestar import Request, Router, get, post, route
 from litestar.connection import ASGIConnection
 from litestar.datastructures import State
 from litestar.handlers.base import BaseRouteHandler
 
 from grctl.errors import Forbidden, RouteDisabled, ValidationError
+from grctl.server.offload import offload
 from grctl.server.schemas_weights import (
     ContinueResponse,
     GetWeightsBody,
@@ -50,14 +51,16 @@ def weight_update_guard(connection: ASGIConnection, _: BaseRouteHandler) -> None
         )
 
 
-async def in_thread(state: State, fn, *args, **kwargs):
-    return await to_thread.run_sync(partial(fn, *args, **kwargs), limiter=state.waiters)
+def require_weights(state: State) -> None:
+    """Reading the weights while /release_memory_occupation holds them on the host is a 503."""
+    if state.engine.memory.is_released("weights"):
+        raise state.engine.memory.error("the weights cannot be read")
 
 
 @post("/pause_generation", status_code=200, summary="Pause: abort | retract | in_place")
 async def pause_generation(state: State, data: PauseBody | None = None) -> PauseResponse:
     mode = (data or PauseBody()).mode
-    num = await in_thread(state, state.engine.pause, mode)
+    num = await offload(state, state.engine.pause, mode)
     return PauseResponse(paused=True, mode=mode, num_aborted_requests=num)
 
 
@@ -85,7 +88,7 @@ async def update_weight_version(
     new_version = version_str(body.new_version)
     if new_version is None:
         raise ValidationError("new_version is required")
-    await in_thread(state, state.updater.set_version, new_version, body.abort_all_requests)
+    await offload(state, state.updater.set_version, new_version, body.abort_all_requests)
     return UpdateWeightVersionResponse(
         success=True, new_version=new_version, message=f"Weight version updated to {new_version}"
     )
@@ -119,6 +122,7 @@ async def get_weights_by_name(state: State, request: Request) -> GetWeightsRespo
         raise ValidationError(f"bad get_weights_by_name body: {exc}") from exc
     if not body.name:
         raise ValidationError("name is required")
+    require_weights(state)
     view = hf_view(state.engine.model, body.name)
     values = view[: body.truncate_size].detach().float().cpu().tolist()
     return GetWeightsResponse(parameter=values)
@@ -129,9 +133,10 @@ async def weights_checker(
     state: State, data: WeightsCheckerBody | None = None
 ) -> WeightsCheckerResponse:
     action = (data or WeightsCheckerBody()).action
+    require_weights(state)
     model, wc = state.engine.model, state.weights_checker
     if action == "checksum":
-        sums = await in_thread(state, checker.checksums, model)
+        sums = await offload(state, checker.checksums, model)
         return WeightsCheckerResponse(
             success=True,
             weight_version=state.updater.info.weight_version,
@@ -139,13 +144,13 @@ async def weights_checker(
             tensors={k: TensorChecksum(**v) for k, v in sums.items()},
         )
     if action == "snapshot":
-        n = await in_thread(state, wc.snapshot, model)
+        n = await offload(state, wc.snapshot, model)
         return WeightsCheckerResponse(success=True, message=f"snapshot of {n} parameters")
     if action == "reset_tensors":
-        n = await in_thread(state, state.updater.reset_tensors)
+        n = await offload(state, state.updater.reset_tensors)
         return WeightsCheckerResponse(success=True, message=f"reset {n} parameters")
     if action == "compare":
-        bad = await in_thread(state, wc.compare, model)
+        bad = await offload(state, wc.compare, model)
         if bad:
             raise ValidationError(
                 f"{len(bad)} parameter(s) differ from the snapshot: " + ", ".join(bad[:16])
@@ -176,7 +181,6 @@ def checked_model_path(state: State, body: UpdateFromDiskBody) -> str:
 @post(
     "/update_weights_from_disk",
     status_code=200,
-    opt=UPDATE_OPT,
     summary="Load an HF checkpoint from disk into the live model, in place",
 )
 async def update_weights_from_disk(
@@ -188,7 +192,7 @@ async def update_weights_from_disk(
         raise ValidationError(
             f"load_format {body.load_format!r} is not supported from disk; omit it or use auto"
         )
-    outcome = await in_thread(
+    outcome = await offload(
         state,
         disk.update_from_disk,
         state.updater,
@@ -202,7 +206,6 @@ async def update_weights_from_disk(
 @post(
     "/update_weights_from_tensor",
     status_code=200,
-    opt=UPDATE_OPT,
     summary="Apply one pushed chunk (SGLang wire format: CUDA IPC or shared memory)",
 )
 async def update_weights_from_tensor(
@@ -211,7 +214,7 @@ async def update_weights_from_tensor(
     body = data or UpdateFromTensorBody()
     if body.serialized_named_tensors is None:
         raise ValidationError("serialized_named_tensors is required")
-    outcome = await in_thread(
+    outcome = await offload(
         state,
         tensor.update_from_tensor,
         state.updater,
@@ -247,15 +250,22 @@ def update_response(state: State, outcome, message: str, model_dir: str | None =
     )
 
 
-weight_routes = [
-    pause_generation,
-    continue_generation,
-    get_weight_version,
-    update_weight_version,
-    get_weights_by_name,
-    weights_checker,
-    update_weights_from_disk,
-    update_weights_from_tensor,
-]
-for _handler in weight_routes:
-    _handler.guards = [*(_handler.guards or []), weight_update_guard]
+# Every route here needs --allow-weight-update; the two that write weights also answer errors
+# with SGLang's top-level success/message.
+weight_router = Router(
+    path="/",
+    guards=[weight_update_guard],
+    route_handlers=[
+        pause_generation,
+        continue_generation,
+        get_weight_version,
+        update_weight_version,
+        get_weights_by_name,
+        weights_checker,
+        Router(
+            path="/",
+            opt=UPDATE_OPT,
+            route_handlers=[update_weights_from_disk, update_weights_from_tensor],
+        ),
+    ],
+)

@@ -32,13 +32,14 @@ class SamplingParamsBody(Struct, kw_only=True):
 
 
 class GenerateBody(Struct, kw_only=True):
-    # [S] or [[S]] (one row); a batch of several rows is not supported.
+    # One prompt [S], or a batch [[S], ...] answered by a list of replies in order (SGLang).
     input_ids: list[TokenId | list[TokenId]] | None = None
-    text: str | None = None  # needs a tokenizer in the model directory
-    sampling_params: SamplingParamsBody | None = None
+    text: str | list[str] | None = None  # needs a tokenizer in the model directory
+    # One for all prompts of a batch, or one per prompt.
+    sampling_params: SamplingParamsBody | list[SamplingParamsBody] | None = None
     return_logprob: bool = False
-    rid: str | None = None
-    request_id: str | None = None  # alias of rid
+    rid: str | list[str] | None = None  # a batch takes a list, one id per prompt
+    request_id: str | None = None  # alias of rid (one prompt)
     stream: bool = False  # streaming is not supported: true is a 400
     # [{"type": "token_suppress" | "token_bias", ...}] (grctl/engine/logits_processors.py)
     logits_processors: list[Any] | None = None
@@ -176,6 +177,7 @@ class ServerInfo(Struct, kw_only=True):
 class ModelInfo(Struct, kw_only=True):
     model_path: str
     weight_version: str
+    served_model_name: str = ""
     is_generation: bool = True
     tokenizer_path: str | None = None
     vocab_size: int = 0
@@ -198,7 +200,7 @@ ERROR_DESCRIPTIONS = {
     409: "duplicate_request_id",
     413: "payload_too_large",
     429: "overloaded (retryable)",
-    503: "paused or weights_inconsistent (retryable)",
+    503: "paused, weights_inconsistent or memory_released (retryable)",
     504: "generate_timeout (retryable)",
 }
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from grctl.engine.logits_processors import parse_logits_processors
 from grctl.engine.request import GenerateRequest, GenerateResult, SamplingParams
-from grctl.errors import ValidationError
+from grctl.errors import DuplicateRequestId, ValidationError
 from grctl.server.schemas import (
     BeamMetaInfo,
     BeamOut,
@@ -43,7 +43,8 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
-def prompt_ids(body: GenerateBody, tokenizer: Any | None) -> list[int]:
+def prompt_rows(body: GenerateBody, tokenizer: Any | None) -> tuple[list[list[int]], bool]:
+    """The prompts as token rows, and whether the body is a batch (then the reply is a list)."""
     if body.input_ids is not None and body.text is not None:
         raise ValidationError("send either input_ids or text, not both")
     if body.text is not None:
@@ -52,32 +53,62 @@ def prompt_ids(body: GenerateBody, tokenizer: Any | None) -> list[int]:
                 "text needs a tokenizer in the model directory",
                 hint="send input_ids, or serve a --model-path that holds tokenizer files",
             )
-        return list(tokenizer.encode(body.text))
-    ids = body.input_ids
-    if ids is None:
-        raise ValidationError("input_ids is required")
-    if all(isinstance(t, int) for t in ids):
-        rows = [ids]
-    elif all(isinstance(t, list) for t in ids):
-        rows = ids
+        texts = body.text if isinstance(body.text, list) else [body.text]
+        rows, is_batch = [list(tokenizer.encode(t)) for t in texts], isinstance(body.text, list)
     else:
-        raise ValidationError("input_ids must be [S] or [[S]]: a flat list or one row")
-    if len(rows) != 1:
-        raise ValidationError(
-            f"input_ids holds {len(rows)} rows; one request takes one prompt",
-            hint="use /submit_many for a batch",
-        )
-    if not rows[0]:
-        raise ValidationError("input_ids is empty")
-    return list(rows[0])
+        ids = body.input_ids
+        if ids is None:
+            raise ValidationError("input_ids is required")
+        if all(isinstance(t, int) for t in ids):
+            rows, is_batch = [ids], False
+        elif all(isinstance(t, list) for t in ids):
+            rows, is_batch = ids, True
+        else:
+            raise ValidationError("input_ids must be [S] or a batch [[S], ...], not a mix")
+    if not rows or any(not row for row in rows):
+        raise ValidationError("input_ids is empty" if not is_batch else "a prompt is empty")
+    return rows, is_batch
 
 
-def to_request(body: GenerateBody, tokenizer: Any | None = None) -> GenerateRequest:
-    """Validate a /generate or /submit body; the request always carries an id."""
+def per_prompt(value: Any, n: int, what: str) -> list[Any]:
+    """One value for every prompt, or a list of exactly one per prompt."""
+    if not isinstance(value, list):
+        return [value] * n
+    if len(value) != n:
+        raise ValidationError(f"{what} holds {len(value)} entries for {n} prompt(s)")
+    return value
+
+
+def to_requests(
+    body: GenerateBody, tokenizer: Any | None = None
+) -> tuple[list[GenerateRequest], bool]:
+    """Validate a /generate body: its requests (each with an id), and whether it is a batch."""
     if body.stream:
         raise ValidationError("stream is not supported; send stream=false and read the reply")
-    sp = body.sampling_params or SamplingParamsBody()
-    sampling = SamplingParams(
+    rows, is_batch = prompt_rows(body, tokenizer)
+    if isinstance(body.rid, list) and not is_batch:
+        raise ValidationError("rid is a list but there is one prompt; send a string")
+    rids = per_prompt(body.rid or body.request_id, len(rows), "rid")
+    if is_batch and body.rid is not None and not isinstance(body.rid, list):
+        raise ValidationError("a batch takes rid as a list, one id per prompt")
+    given = [r for r in rids if r]
+    if len(set(given)) != len(given):
+        raise DuplicateRequestId("the batch repeats a rid; nothing was queued")
+    params = per_prompt(body.sampling_params, len(rows), "sampling_params")
+    reqs = [
+        GenerateRequest(
+            input_ids=tuple(row),
+            sampling=sampling_of(sp or SamplingParamsBody()),
+            return_logprob=body.return_logprob,
+            request_id=rid or new_request_id(),
+        )
+        for row, sp, rid in zip(rows, params, rids, strict=True)
+    ]
+    return reqs, is_batch
+
+
+def sampling_of(sp: SamplingParamsBody) -> SamplingParams:
+    return SamplingParams(
         max_new_tokens=sp.max_new_tokens,
         n=sp.n,
         temperature=sp.temperature,
@@ -89,12 +120,6 @@ def to_request(body: GenerateBody, tokenizer: Any | None = None) -> GenerateRequ
         use_catalog=sp.use_catalog,
         logits_processors=parse_logits_processors(body.logits_processors)
         + parse_logits_processors(sp.logits_processors),
-    )
-    return GenerateRequest(
-        input_ids=tuple(prompt_ids(body, tokenizer)),
-        sampling=sampling,
-        return_logprob=body.return_logprob,
-        request_id=body.rid or body.request_id or new_request_id(),
     )
 
 

@@ -1,0 +1,42 @@
+"""The OpenAPI document and its UI, served without any network access.
+
+GET /openapi.json (also /schema/openapi.json) is the document; GET /docs is Swagger UI, whose
+scripts and styles come from the swagger-ui-bundle package and are served here under
+/docs/assets, so the page renders on an air-gapped machine (Litestar's defaults load them from
+a CDN). Neither needs the API key: the document describes routes, it exposes no data.
+"""
+
+from __future__ import annotations
+
+from litestar import Router
+from litestar.openapi import OpenAPIConfig
+from litestar.openapi.plugins import JsonRenderPlugin, SwaggerRenderPlugin
+from litestar.static_files import create_static_files_router
+from swagger_ui_bundle import swagger_ui_path
+
+import grctl
+
+ASSETS = "/docs/assets"
+EXEMPT = {"auth_exempt": True}
+
+
+def openapi_config() -> OpenAPIConfig:
+    swagger = SwaggerRenderPlugin(
+        path="/docs",
+        js_url=f"{ASSETS}/swagger-ui-bundle.js",
+        css_url=f"{ASSETS}/swagger-ui.css",
+        standalone_preset_js_url=f"{ASSETS}/swagger-ui-standalone-preset.js",
+        favicon=f"<link rel='icon' type='image/png' href='{ASSETS}/favicon-32x32.png'>",
+    )
+    return OpenAPIConfig(
+        title="grctl",
+        version=grctl.__version__,
+        render_plugins=[swagger, JsonRenderPlugin(path=["/openapi.json", "/schema/openapi.json"])],
+        openapi_router=Router(path="/", route_handlers=[], opt=EXEMPT, include_in_schema=False),
+    )
+
+
+def swagger_assets() -> Router:
+    return create_static_files_router(
+        path=ASSETS, directories=[swagger_ui_path], opt=EXEMPT, include_in_schema=False
+    )
