@@ -2,9 +2,10 @@
 
 Tags, as SGLang names them (none = all three):
   kv_cache    the prefill cache's context KV (requests hold none: release needs an idle engine)
-  weights     every parameter's storage is copied to host memory and resized to 0 bytes; resume
-              resizes the SAME storage objects back and copies the bytes in, so every parameter,
-              view and tied weight stays the object it was (only the device address may move)
+  weights     every parameter is copied to host memory (pinned on CUDA) and its data replaced by
+              an empty tensor; resume copies it back into the SAME Parameter objects (so tied
+              weights stay tied and every holder of a parameter sees it come back), at a new
+              device address
   cuda_graph  the captured decode graphs and their static buffers
 Freed device memory goes back to the driver (torch.cuda.empty_cache). Graphs hold the weights'
 device addresses, so releasing weights drops them too; they are captured again, with the same
@@ -14,7 +15,6 @@ protocol; this class only moves memory and keeps the record.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterable
 
 import torch
@@ -36,12 +36,6 @@ def check_tags(tags: Iterable[str] | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(tags)) or TAGS
 
 
-def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
-    """A flat uint8 tensor over a whole storage."""
-    view = torch.empty(0, dtype=torch.uint8, device=storage.device)
-    return view.set_(storage, 0, (storage.nbytes(),))
-
-
 def empty_device_cache(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -51,7 +45,7 @@ def empty_device_cache(device: torch.device) -> None:
 class MemorySaver:
     def __init__(self) -> None:
         self.released: set[str] = set()
-        self._backups: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
+        self._backups: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         self._recapture: Callable | None = None  # DecodeGraphs' factory while graphs are gone
 
     def is_released(self, tag: str | None = None) -> bool:
@@ -75,21 +69,16 @@ class MemorySaver:
             runner.graphs = None
 
     def _offload_weights(self, model: torch.nn.Module) -> None:
-        seen: set[int] = set()
         pin = next(model.parameters()).device.type == "cuda"
-        try:
-            for t in itertools.chain(model.parameters(), model.buffers()):
-                storage = t.untyped_storage()
-                if storage.nbytes() == 0 or storage.data_ptr() in seen:
-                    continue  # tied weights and views share one storage: one backup
-                seen.add(storage.data_ptr())
-                backup = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
-                backup.copy_(_bytes_view(storage))
-                self._backups.append((storage, backup))
-                storage.resize_(0)
-        except Exception:
-            self._restore_weights()  # all or nothing: put back what was already taken
-            raise
+        backups = []
+        for p in model.parameters():  # a tied weight is one Parameter: one backup
+            backup = torch.empty(p.shape, dtype=p.dtype, pin_memory=pin)
+            backup.copy_(p.detach())
+            backups.append((p, backup))
+        # Every copy is made before any device memory is freed: a failure above frees nothing.
+        for p, _ in backups:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self._backups = backups
 
     # ---- resume -------------------------------------------------------------------------
     def resume(self, engine, tags: tuple[str, ...]) -> None:
@@ -102,10 +91,9 @@ class MemorySaver:
             engine.runner.graphs = factory(engine.model, engine.device)
 
     def _restore_weights(self) -> None:
-        for storage, backup in self._backups:
-            storage.resize_(backup.numel())
-            _bytes_view(storage).copy_(backup, non_blocking=False)
-        self._backups.clear()
+        for p, backup in self._backups:
+            p.data = backup.to(p.device)
+        self._backups = []
 
     def error(self, what: str) -> MemoryReleased:
         released = ", ".join(sorted(self.released))

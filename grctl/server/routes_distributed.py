@@ -11,7 +11,12 @@ from litestar import Router, post
 from litestar.datastructures import State
 
 from grctl.server.offload import offload
-from grctl.server.routes_weights import UPDATE_OPT, update_options, weight_update_guard
+from grctl.server.routes_weights import (
+    UPDATE_OPT,
+    require_weights,
+    update_options,
+    weight_update_guard,
+)
 from grctl.server.schemas_weights import (
     DestroyGroupBody,
     InitGroupBody,
@@ -65,6 +70,7 @@ async def update_weights_from_distributed(
     state: State, data: UpdateFromDistributedBody | None = None
 ) -> SuccessResponse:
     body = data or UpdateFromDistributedBody()
+    require_weights(state)
     specs = distributed.parse_specs(body.names, body.dtypes, body.shapes)
     outcome = await offload(
         state,

@@ -52,9 +52,10 @@ def weight_update_guard(connection: ASGIConnection, _: BaseRouteHandler) -> None
 
 
 def require_weights(state: State) -> None:
-    """Reading the weights while /release_memory_occupation holds them on the host is a 503."""
+    """Reading or writing the weights while /release_memory_occupation holds them on the host
+    is a 503 (the engine refuses a write again under its lock)."""
     if state.engine.memory.is_released("weights"):
-        raise state.engine.memory.error("the weights cannot be read")
+        raise state.engine.memory.error("the weights cannot be read or written")
 
 
 @post("/pause_generation", status_code=200, summary="Pause: abort | retract | in_place")
@@ -187,6 +188,7 @@ async def update_weights_from_disk(
     state: State, data: UpdateFromDiskBody | None = None
 ) -> UpdateWeightsResponse:
     body = data or UpdateFromDiskBody()
+    require_weights(state)
     path = checked_model_path(state, body)
     if body.load_format not in (None, "auto", "safetensors", "pt"):
         raise ValidationError(
@@ -214,6 +216,8 @@ async def update_weights_from_tensor(
     body = data or UpdateFromTensorBody()
     if body.serialized_named_tensors is None:
         raise ValidationError("serialized_named_tensors is required")
+    refuse_custom_loader(body.load_format)
+    require_weights(state)
     outcome = await offload(
         state,
         tensor.update_from_tensor,
@@ -223,6 +227,18 @@ async def update_weights_from_tensor(
         **update_options(body),
     )
     return update_response(state, outcome, "Succeeded to update model weights from tensor.")
+
+
+def refuse_custom_loader(load_format: str | None) -> None:
+    """SGLang runs a load_format that is an import path as a weight loader; grctl runs no code
+    named by a request. verl's delta sync sends one (sparse positions and values)."""
+    if load_format is not None and "." in load_format:
+        raise ValidationError(
+            f"load_format {load_format!r} names a custom weight loader (verl's delta sync sends "
+            "one); grctl does not run loaders named in a request",
+            hint="send full tensors: load_format null (a [(name, tensor)] list), 'direct' or "
+            "'flattened_bucket' (in verl, turn delta weight sync off)",
+        )
 
 
 def update_options(body) -> dict:
