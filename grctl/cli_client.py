@@ -145,7 +145,7 @@ def run_push(urls, checkpoint: Path, *, verify: bool, api_key=None, **sync_kw: A
     transport = sync_kw.get("transport", "tensor")
     with report.push_progress(err_console, transport) as on_progress:
         with WeightSync(
-            urls or [DEFAULT_URL],
+            urls,  # None: DEFAULT_URL, unless a router names the servers
             api_key=api_key,
             verify=verify,
             on_progress=on_progress,
@@ -163,6 +163,10 @@ def run_push(urls, checkpoint: Path, *, verify: bool, api_key=None, **sync_kw: A
 def push(
     checkpoint: Annotated[Path, typer.Option(help="HF checkpoint directory to push.")],
     url: Urls = None,
+    router: Annotated[
+        Optional[str],
+        typer.Option(envvar="GR_ROUTER", help="sglang-router URL: push to every worker it lists."),
+    ] = None,
     transport: Annotated[Transport, typer.Option(help=TRANSPORT_HELP)] = Transport.tensor,
     chunked: Annotated[bool, typer.Option(help="Several buckets (else one).")] = True,
     bucket_mb: Annotated[float, typer.Option(min=0.0001, help="Bucket size, MiB.")] = 512,
@@ -190,6 +194,7 @@ def push(
         flush_retries=flush_retries,
         flush_interval=flush_interval,
         update_timeout=timeout,
+        router=router,
     )
 
 

@@ -1,6 +1,7 @@
 """WeightSync: pause -> flush (retry) -> push -> continue -> verify, on one server or a fleet.
 
     result = WeightSync(["http://a:8000", "http://b:8000"]).run("/ckpt/step_7", weight_version=7)
+    result = WeightSync(router="http://gw:30000").run(...)  # the workers behind sglang-router
 
 Every stage runs on all servers at once. A server that fails is dropped from the later stages
 but is still resumed, unless it failed after some tensor chunks were applied: its weights are
@@ -21,6 +22,7 @@ from grctl.client import staging
 from grctl.client.http import DEFAULT_URL, GRClient
 from grctl.client.outcome import Progress, ServerOutcome, SyncError, SyncResult
 from grctl.client.pipeline import PushOptions, Target, push_buckets
+from grctl.client.router import worker_urls as router_workers
 from grctl.client.types import version_str
 from grctl.client.verify import compare_servers, dtype_of, read_server
 from grctl.errors import GrctlError, ValidationError
@@ -36,8 +38,9 @@ def is_partial(out: ServerOutcome) -> bool:
 class WeightSync:
     def __init__(
         self,
-        urls: str | Sequence[str] = DEFAULT_URL,
+        urls: str | Sequence[str] | None = None,
         *,
+        router: str | None = None,
         transport: str = "tensor",
         bucket_mb: float = 512,
         chunked: bool = True,
@@ -49,12 +52,18 @@ class WeightSync:
         on_progress: Callable[[Progress], None] | None = None,
         **client_kw,
     ):
-        """`client_kw` goes to each GRClient (api_key, bearer, timeout, update_timeout)."""
+        """`urls`: the servers (default DEFAULT_URL unless `router` is given); `router`: an
+        sglang-router whose workers are synced too. `client_kw` goes to each GRClient
+        (api_key, bearer, timeout, update_timeout)."""
         if transport not in TRANSPORTS:
             raise ValidationError(f"transport must be tensor or disk, not {transport!r}")
         if bucket_mb <= 0:
             raise ValidationError("bucket_mb must be > 0")
-        self.urls = [urls] if isinstance(urls, str) else list(urls)
+        self.urls = [urls] if isinstance(urls, str) else list(urls or [])
+        if router is not None:
+            self.urls += router_workers(router)
+        elif not self.urls:
+            self.urls = [DEFAULT_URL]
         if not self.urls:
             raise ValidationError("no server URL given")
         self.transport, self.pause_mode, self.verify = transport, pause_mode, verify
