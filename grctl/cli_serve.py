@@ -35,9 +35,9 @@ def serve_parameters() -> list[inspect.Parameter]:
         if f.default is None:  # `X | None`, spelled the way Typer reads it
             base = typing.get_args(base)[0]
         annotation: Any = Optional[base] if f.default is None else base
-        decls = [flag, *k.aliases]
+        decls = [flag]
         if annotation is bool and f.default is True:
-            decls = [f"{flag}/--no-{flag[2:]}", *k.aliases]
+            decls = [f"{flag}/--no-{flag[2:]}"]
         opt = typer.Option(
             *decls,
             envvar=env_names(f.name, k),
@@ -56,12 +56,33 @@ def serve_parameters() -> list[inspect.Parameter]:
                 annotation=Annotated[annotation, opt],
             )
         )
+        params += alias_parameters(f.name, k.aliases, base)
     return params
+
+
+ALIAS_PREFIX = "alias__"
+
+
+def alias_parameters(name: str, aliases: tuple[str, ...], base: Any) -> list[inspect.Parameter]:
+    """Each alias is a hidden option of its own, so --help shows the one name in full."""
+    return [
+        inspect.Parameter(
+            f"{ALIAS_PREFIX}{i}__{name}",
+            inspect.Parameter.KEYWORD_ONLY,
+            default=None,
+            annotation=Annotated[Optional[base], typer.Option(alias, hidden=True)],
+        )
+        for i, alias in enumerate(aliases)
+    ]
 
 
 def serve(**values: Any) -> None:
     from grctl.server.serve import serve as run_server
 
+    for key in [k for k in values if k.startswith(ALIAS_PREFIX)]:
+        value = values.pop(key)
+        if value is not None:  # an alias given on the command line sets its knob
+            values[key.split("__", 2)[2]] = value
     run_server(ServeConfig.from_flags(values))
 
 

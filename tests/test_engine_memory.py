@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from grctl.engine.config import EngineConfig
 from grctl.engine.cuda_graphs import DecodeGraphs, EagerPiece
-from grctl.engine.engine import Engine, EngineConfig
+from grctl.engine.engine import Engine
 from grctl.engine.request import GenerateRequest, SamplingParams
 from grctl.errors import Conflict, MemoryReleased, ValidationError
 from tests.test_model_parity import hf_and_ours
