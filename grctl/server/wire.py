@@ -98,7 +98,7 @@ def to_requests(
     reqs = [
         GenerateRequest(
             input_ids=tuple(row),
-            sampling=sampling_of(sp or SamplingParamsBody()),
+            sampling=sampling_of(body, sp or SamplingParamsBody()),
             return_logprob=body.return_logprob,
             request_id=rid or new_request_id(),
         )
@@ -107,7 +107,7 @@ def to_requests(
     return reqs, is_batch
 
 
-def sampling_of(sp: SamplingParamsBody) -> SamplingParams:
+def sampling_of(body: GenerateBody, sp: SamplingParamsBody) -> SamplingParams:
     return SamplingParams(
         max_new_tokens=sp.max_new_tokens,
         n=sp.n,
