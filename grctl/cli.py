@@ -69,7 +69,8 @@ def main() -> None:
         sys.exit(1)
 
 
-from grctl import cli_client, cli_serve  # noqa: E402, I001  (the commands of other modules)
+from grctl import cli_catalog, cli_client, cli_serve  # noqa: E402, I001  (other modules' commands)
 
 cli_serve.register(app)
 cli_client.register(app)
+cli_catalog.register(app)

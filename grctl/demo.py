@@ -8,6 +8,7 @@ that fails raises GrctlError (exit 1).
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -37,7 +38,9 @@ def free_port() -> int:
 
 
 @contextmanager
-def demo_server(device: str, log_path: Path, start_timeout: float = 60.0) -> Iterator[str]:
+def demo_server(
+    device: str, log_path: Path, catalog: Path, start_timeout: float = 60.0
+) -> Iterator[str]:
     port = free_port()
     cmd = [
         sys.executable,
@@ -53,6 +56,8 @@ def demo_server(device: str, log_path: Path, start_timeout: float = 60.0) -> Ite
         "--allow-weight-update",
         "--weight-version",
         "builtin",
+        "--catalog",
+        str(catalog),
     ]
     package_root = str(Path(__file__).resolve().parent.parent)  # `-m grctl` finds this grctl
     env = {
@@ -107,11 +112,16 @@ def run_demo(console: Console, device: str = "cpu") -> list[tuple]:
     with tempfile.TemporaryDirectory(prefix="grctl-demo-") as tmp:
         root = Path(tmp)
         original, perturbed = write_checkpoints(root)
-        with demo_server(device, root / "server.log") as url, GRClient(url) as gr:
+        items = write_catalog(root / "catalog.jsonl")
+        with (
+            demo_server(device, root / "server.log", root / "catalog.jsonl") as url,
+            GRClient(url) as gr,
+        ):
             console.print(f"demo server at {url} ({device}); checkpoints in {root}")
+            console.print(catalog_table(gr, items))
 
             def generate(step: str, seconds: float) -> list[int]:
-                out = gr.generate(PROMPT, max_new_tokens=MAX_NEW_TOKENS)
+                out = gr.generate(PROMPT, max_new_tokens=MAX_NEW_TOKENS, use_catalog=False)
                 rows.append((step, out.meta_info.weight_version, out.output_ids, seconds))
                 return out.output_ids
 
@@ -131,6 +141,39 @@ def run_demo(console: Console, device: str = "cpu") -> list[tuple]:
     if after_push == before:
         console.print("[yellow]note:[/yellow] the perturbed model generated the same ids")
     return rows
+
+
+def write_catalog(path: Path, num_items: int = 2000) -> dict[tuple[int, ...], str]:
+    """Items of the built-in model's three semantic-ID levels; {token path: item id}."""
+    from grctl.weights.loader import NUM_TEXT_TOKENS, SID_CODES, SID_LEVELS
+
+    gen = torch.Generator().manual_seed(11)
+    codes = torch.randint(0, SID_CODES, (num_items, SID_LEVELS), generator=gen)
+    codes += NUM_TEXT_TOKENS + SID_CODES * torch.arange(SID_LEVELS)
+    items = {tuple(row): f"item-{i}" for i, row in enumerate(codes.tolist())}
+    lines = (json.dumps({"item_id": i, "token_ids": list(p)}) for p, i in items.items())
+    path.write_text("\n".join(lines) + "\n")
+    return items
+
+
+def catalog_table(gr: GRClient, items: dict[tuple[int, ...], str]) -> Table:
+    """Beam search of width 4 over 3 tokens, with the served catalog and without it."""
+    status = gr.catalog_status()
+    table = Table(
+        title=f"beam 4, 3 tokens: catalog v{status.version} ({status.num_items} items) or not",
+        title_justify="left",
+    )
+    for col in ("search", "rank", "output_ids", "item", "score"):
+        table.add_column(col)
+    for label, use in (("catalog", True), ("free", False)):
+        out = gr.generate(PROMPT, max_new_tokens=3, n=4, use_catalog=use)
+        served = out.meta_info.item_results or []
+        for rank, beam in enumerate(out.meta_info.beam_results):
+            item = served[rank].item_id if use else items.get(tuple(beam.output_ids))
+            item = item or "[red]not an item[/red]"
+            score = f"{beam.meta_info.sequence_score:.2f}"
+            table.add_row(label if rank == 0 else "", str(rank), str(beam.output_ids), item, score)
+    return table
 
 
 def demo_table(rows: list[tuple]) -> Table:

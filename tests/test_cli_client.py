@@ -160,4 +160,5 @@ def test_demo_runs_end_to_end():
     out = grctl("demo", timeout=90)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "perturbed" in out.stdout and "restored" in out.stdout
+    assert "item-" in out.stdout and "not an item" in out.stdout  # with and without the catalog
     assert time.monotonic() - t0 < 60

@@ -48,12 +48,20 @@ def request_body(
     text: str | None = None,
     return_logprob: bool = False,
     rid: str | None = None,
+    use_catalog: bool | None = None,
+    logits_processors: Sequence[dict] | None = None,
     **sampling: Any,
 ) -> dict:
     """A /generate or /submit body; keyword sampling options (max_new_tokens=3, n=4) merge into
-    `sampling_params`. Use it to build the list for submit_many."""
+    `sampling_params`. use_catalog=False opts out of the server's item catalog;
+    logits_processors: [{"type": "token_suppress", "token_ids": [...]}, ...]. Use it to build
+    the list for submit_many."""
     body = compact(input_ids=list(input_ids) if input_ids is not None else None, text=text, rid=rid)
     body["sampling_params"] = {**(sampling_params or {}), **sampling}
+    if use_catalog is not None:
+        body["sampling_params"]["use_catalog"] = use_catalog
+    if logits_processors is not None:
+        body["logits_processors"] = list(logits_processors)
     if return_logprob:
         body["return_logprob"] = True
     return body

@@ -90,6 +90,18 @@ class Routes:
             )
         )
 
+    # Item catalog
+    def catalog_status(self) -> t.CatalogStatus:
+        return self._call(Call("GET", "/catalog/status", as_(t.CatalogStatus)))
+
+    def catalog_reload(self, path: str) -> t.CatalogStatus:
+        """Build the JSONL catalog at `path` (on the server) and serve it."""
+        body = {"path": path}
+        return self._call(Call("POST", "/catalog/reload", as_(t.CatalogStatus), body))
+
+    def catalog_rollback(self) -> t.CatalogStatus:
+        return self._call(Call("POST", "/catalog/rollback", as_(t.CatalogStatus), {}))
+
     # Weight sync
     def pause_generation(self, mode: str = "abort") -> t.PauseResult:
         return self._call(Call("POST", "/pause_generation", as_(t.PauseResult), {"mode": mode}))

@@ -14,7 +14,7 @@ Version = str | int | None
 
 
 class FinishReason(Struct, kw_only=True):
-    type: str = ""  # "length" | "stop" | "abort"
+    type: str = ""  # "length" | "stop" | "item_complete" | "abort"
     matched: int | None = None
     length: int | None = None
 
@@ -29,6 +29,17 @@ class BeamResult(Struct, kw_only=True):
     meta_info: BeamMetaInfo = msgspec.field(default_factory=BeamMetaInfo)
 
 
+class ItemResult(Struct, kw_only=True):
+    """One beam read against the server's item catalog (grctl only)."""
+
+    rank: int = 0
+    token_ids: list[int] = msgspec.field(default_factory=list)
+    item_ids: list[int | str] = msgspec.field(default_factory=list)  # several: a collision
+    item_id: int | str | None = None  # the first of item_ids
+    is_complete: bool = False  # the beam's tokens spell a whole item path
+    score: float = 0.0
+
+
 class MetaInfo(Struct, kw_only=True):
     id: str = ""
     prompt_tokens: int = 0
@@ -41,6 +52,8 @@ class MetaInfo(Struct, kw_only=True):
     beam_results: list[BeamResult] = msgspec.field(default_factory=list)
     e2e_latency: float = 0.0
     output_token_logprobs: list[Any] | None = None  # [logprob, token_id, text] per token
+    item_results: list[ItemResult] | None = None  # with a catalog: one per beam, in beam order
+    catalog_version: int | None = None  # the catalog version the request was served with
 
 
 class GenerateResult(Struct, kw_only=True):
@@ -175,6 +188,23 @@ class Status(Struct, kw_only=True):
 
     weights: WeightVersion = msgspec.field(default_factory=WeightVersion)
     sections: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class CatalogStatus(Struct, kw_only=True):
+    loaded: bool = False
+    version: int | None = None
+    num_items: int = 0
+    num_paths: int = 0
+    max_depth: int = 0
+    nbytes: int = 0
+    source: str | None = None
+    loaded_at: float | None = None
+    num_nodes: int = 0
+    num_collision_paths: int = 0
+    num_shadowed_items: int = 0
+    previous_version: int | None = None
+    num_reloads: int = 0
+    num_rollbacks: int = 0
 
 
 def version_str(v: Version) -> str | None:
