@@ -8,15 +8,13 @@ its line, and the old catalog keeps serving.
 
 from __future__ import annotations
 
-from functools import partial
-
-from anyio import to_thread
-from litestar import get, post
+from litestar import Router, get, post
 from litestar.connection import ASGIConnection
 from litestar.datastructures import State
 from litestar.handlers.base import BaseRouteHandler
 
 from grctl.errors import RouteDisabled
+from grctl.server.offload import offload
 from grctl.server.schemas_catalog import CatalogReloadBody, CatalogStatus
 
 
@@ -40,20 +38,18 @@ async def catalog_status(state: State) -> CatalogStatus:
 @post(
     "/catalog/reload",
     status_code=200,
-    guards=[catalog_reload_guard],
     summary="Build the catalog at `path` beside the served one, then swap it in",
 )
 async def catalog_reload(state: State, data: CatalogReloadBody | None = None) -> CatalogStatus:
     store = state.engine.catalogs
     path = store.checked_path((data or CatalogReloadBody()).path)
-    await to_thread.run_sync(partial(store.load, path), limiter=state.waiters)
+    await offload(state, store.load, path)
     return status_of(state)
 
 
 @post(
     "/catalog/rollback",
     status_code=200,
-    guards=[catalog_reload_guard],
     summary="Serve the catalog from before the last reload again",
 )
 async def catalog_rollback(state: State) -> CatalogStatus:
@@ -61,4 +57,7 @@ async def catalog_rollback(state: State) -> CatalogStatus:
     return status_of(state)
 
 
-catalog_routes = [catalog_status, catalog_reload, catalog_rollback]
+catalog_router = Router(
+    path="/", guards=[catalog_reload_guard], route_handlers=[catalog_reload, catalog_rollback]
+)
+catalog_routes = [catalog_status, catalog_router]
