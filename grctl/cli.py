@@ -9,7 +9,10 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from typer import rich_utils
 
+import grctl
+from grctl.cli_output import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, print_json, usage_error_doc
 from grctl.errors import GrctlError
 
 app = typer.Typer(
@@ -23,6 +26,9 @@ model_app = typer.Typer(help="The built-in default model.", no_args_is_help=True
 app.add_typer(model_app, name="model")
 
 err_console = Console(stderr=True)
+# Typer 0.2x vendors Click, older versions use click itself: take the base of the usage errors
+# from the class Typer exports either way.
+ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
 console = Console()
 
 
@@ -58,15 +64,45 @@ def generate(
         console.print(line, highlight=False)
 
 
+def show_version(value: bool) -> None:
+    if value:
+        console.print(f"grctl {grctl.__version__}", highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=show_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
+) -> None:
+    """Serve Qwen3 generative-recommendation models and hot-swap their weights."""
+
+
 def main() -> None:
-    """Run the app; a GrctlError prints one red line (a traceback with GRCTL_DEBUG=1)."""
+    """Run the app and exit with the documented code (grctl/cli_output.py): 0 ok, 1 failed,
+    2 usage, 130 interrupted. A GrctlError prints one red line (a traceback with
+    GRCTL_DEBUG=1); with --json a usage error is also a JSON document on stdout."""
     try:
-        app(standalone_mode=True)
+        code = app(standalone_mode=False)
+    except ClickException as exc:  # usage errors: bad flag, bad value, missing option
+        if "--json" in sys.argv[1:]:
+            print_json(usage_error_doc(exc.format_message()))
+        rich_utils.rich_format_error(exc)
+        sys.exit(exc.exit_code)
+    except typer.Abort:  # EOF on a prompt
+        sys.exit(EXIT_INTERRUPTED)
     except GrctlError as exc:
         if os.environ.get("GRCTL_DEBUG") == "1":
             err_console.print_exception()
         err_console.print(f"[red]error:[/red] {exc}", highlight=False)
-        sys.exit(1)
+        sys.exit(EXIT_FAILED)
+    if code == EXIT_INTERRUPTED:  # Typer turns Ctrl-C into Exit(130)
+        err_console.print("[red]interrupted[/red]")
+    sys.exit(code if isinstance(code, int) else EXIT_OK)
 
 
 from grctl import cli_catalog, cli_client, cli_serve  # noqa: E402, I001  (other modules' commands)

@@ -2,8 +2,9 @@
 
 Each command is a thin Typer signature over a plain `run_*` function. Failures raise GrctlError:
 `grctl.cli.main` prints it as one red line (traceback with GRCTL_DEBUG=1) and exits 1; usage
-errors exit 2 (Typer). Every command takes --url (repeatable, env GR_URL) and --api-key (env
-GR_HTTP_API_KEY). Registered onto the app by `register(app)` at the end of grctl/cli.py.
+errors exit 2, Ctrl-C 130. Every command takes --url (repeatable, env GR_URL), --api-key (env
+GR_API_KEY, or the older GR_HTTP_API_KEY) and --json (one JSON document on stdout, through
+grctl/cli_output.py). Registered onto the app by `register(app)` at the end of grctl/cli.py.
 """
 
 from __future__ import annotations
@@ -16,27 +17,42 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.console import Console
 
-from grctl.client import report
-from grctl.client.http import DEFAULT_URL, GRClient
+from grctl.cli_output import Json, Output, command_output, to_builtins
+from grctl.client import outcome, report
+from grctl.client.http import DEFAULT_URL, GRClient, normalize_url
 from grctl.errors import GrctlError
 
 console = Console()
 err_console = Console(stderr=True)
 
+
+def normalize_urls(urls: list[str] | None) -> list[str] | None:
+    try:
+        return None if urls is None else [normalize_url(u) for u in urls]
+    except GrctlError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
 Urls = Annotated[
     Optional[list[str]],
     typer.Option(
         "--url",
+        callback=normalize_urls,
         envvar="GR_URL",
         show_default=DEFAULT_URL,
-        help="Server URL; repeat it for a fleet (GR_URL: space-separated URLs).",
+        help="Server URL (http:// added if missing); repeat for a fleet (GR_URL: space-separated).",
     ),
 ]
 ApiKey = Annotated[
     Optional[str],
-    typer.Option(envvar="GR_HTTP_API_KEY", show_default=False, help="The servers' API key."),
+    typer.Option(
+        envvar=["GR_API_KEY", "GR_HTTP_API_KEY"],
+        show_default=False,
+        help="The servers' API key (GR_API_KEY; GR_HTTP_API_KEY still read).",
+    ),
 ]
 Timeout = Annotated[float, typer.Option(min=0.1, help="Seconds to wait for each reply.")]
+Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Every detail, per server.")]
 
 
 class Transport(str, Enum):
@@ -56,78 +72,120 @@ class PauseMode(str, Enum):
     in_place = "in_place"
 
 
+Row = tuple[str, Any]  # (url, the reply, or the GrctlError it raised)
+
+
 def each_server(
     urls: list[str] | None, api_key: str | None, timeout: float, fn: Callable[[GRClient], Any]
-) -> list[tuple[str, Any]]:
-    """Call `fn` on every server; an error is kept as its text, and raised once all have run."""
-    rows, failed = [], []
+) -> list[Row]:
+    """Call `fn` on every server; an error is kept in its row (see `finish`)."""
+    rows: list[Row] = []
     for url in urls or [DEFAULT_URL]:
         try:
             with GRClient(url, api_key=api_key, timeout=timeout) as gr:
                 rows.append((url, fn(gr)))
         except GrctlError as exc:
-            rows.append((url, f"[red]{exc}[/red]"))
-            failed.append(f"{url}: {exc}")
-    return rows if not failed else _raise(rows, failed)
-
-
-def _raise(rows: list, failed: list[str]):
-    console.print(report.replies_table("replies", rows))
-    raise GrctlError(f"{len(failed)} of {len(rows)} server(s) failed: " + "; ".join(failed))
-
-
-def run_pause(urls, mode: str, api_key=None, timeout: float = 30.0) -> list:
-    rows = each_server(urls, api_key, timeout, lambda gr: gr.pause_generation(mode))
-    console.print(report.replies_table(f"pause_generation (mode={mode})", rows))
+            rows.append((url, exc))
     return rows
 
 
-def run_resume(urls, api_key=None, timeout: float = 30.0) -> list:
-    rows = each_server(urls, api_key, timeout, lambda gr: gr.continue_generation())
-    console.print(report.replies_table("continue_generation", rows))
-    return rows
+def server_doc(url: str, reply: Any) -> dict[str, Any]:
+    if isinstance(reply, GrctlError):
+        return {"url": url, "ok": False, "error": reply.to_dict()}
+    return {"url": url, "ok": True, "reply": reply}
 
 
-def run_flush(urls, retries: int, interval: float, api_key=None, timeout: float = 30.0) -> list:
-    rows = each_server(
-        urls, api_key, timeout, lambda gr: gr.flush_cache_until_ok(retries, interval)
-    )
-    console.print(report.replies_table("flush_cache", rows))
-    return rows
+def finish(
+    out: Output,
+    rows: list[Row],
+    human: Callable[[list[Row]], None],
+    as_doc: Callable[[Any], Any] = to_builtins,
+) -> None:
+    """Emit the rows (human: the servers that answered; JSON: all, each reply through
+    `as_doc`), then raise once for the servers that failed, each named with its error."""
+    failed = [(url, exc) for url, exc in rows if isinstance(exc, GrctlError)]
+    docs = [server_doc(url, r if isinstance(r, GrctlError) else as_doc(r)) for url, r in rows]
+    doc = {"ok": not failed, "servers": docs}
+    out.emit(doc, human=lambda: human([r for r in rows if not isinstance(r[1], GrctlError)]))
+    if failed:
+        named = "; ".join(f"{url}: {outcome.describe(exc)}" for url, exc in failed)
+        raise GrctlError(f"{len(failed)} of {len(rows)} server(s) failed: {named}")
 
 
-def run_status(urls, api_key=None, timeout: float = 30.0) -> list:
-    rows = each_server(urls, api_key, timeout, lambda gr: gr.status())
-    for url, status in rows:
-        console.print(report.status_table(url, status))
-    return rows
+def replies(title: str) -> Callable[[list[Row]], None]:
+    return lambda rows: rows and console.print(report.replies_table(title, rows))
 
 
-def run_verify(urls, checkpoint: Path, api_key=None, timeout: float = 120.0) -> dict[str, list]:
+def run_pause(urls, mode: str, api_key=None, timeout: float = 30.0, as_json=False) -> None:
+    with command_output("pause", as_json) as out:
+        rows = each_server(urls, api_key, timeout, lambda gr: gr.pause_generation(mode))
+        finish(out, rows, replies(f"pause_generation (mode={mode})"))
+
+
+def run_resume(urls, api_key=None, timeout: float = 30.0, as_json=False) -> None:
+    with command_output("resume", as_json) as out:
+        rows = each_server(urls, api_key, timeout, lambda gr: gr.continue_generation())
+        finish(out, rows, replies("continue_generation"))
+
+
+def run_flush(
+    urls, retries: int, interval: float, api_key=None, timeout: float = 30.0, as_json=False
+) -> None:
+    with command_output("flush", as_json) as out:
+        rows = each_server(
+            urls, api_key, timeout, lambda gr: gr.flush_cache_until_ok(retries, interval)
+        )
+        finish(out, rows, replies("flush_cache"))
+
+
+def run_status(urls, api_key=None, timeout: float = 30.0, as_json=False) -> None:
+    def show(rows: list[Row]) -> None:
+        for url, status in rows:
+            console.print(report.status_view(url, status))
+
+    with command_output("status", as_json) as out:
+        rows = each_server(urls, api_key, timeout, lambda gr: gr.status())
+        finish(out, rows, show, as_doc=lambda st: {**st.sections, "weights": st.weights})
+
+
+def run_verify(urls, checkpoint: Path, api_key=None, timeout: float = 120.0, as_json=False):
     """Every served tensor's sha256 against the checkpoint cast to the served dtype."""
     from grctl.client.verify import CheckpointDigests, mismatches
 
-    rows = each_server(urls, api_key, timeout, lambda gr: gr.weights_checker("checksum"))
-    bad: dict[str, list[str]] = {}
-    with_digests = CheckpointDigests(checkpoint)
-    try:
-        for url, check in rows:
-            found = mismatches(check, with_digests)
-            if found:
-                bad[url] = found
-                for line in found:
+    with command_output("verify", as_json) as out:
+        rows = each_server(urls, api_key, timeout, lambda gr: gr.weights_checker("checksum"))
+        docs, bad = [], {}
+        with_digests = CheckpointDigests(checkpoint)
+        try:
+            for url, check in rows:
+                if isinstance(check, GrctlError):
+                    docs.append(server_doc(url, check))
+                    continue
+                found = mismatches(check, with_digests)
+                if found:
+                    bad[url] = found
+                docs.append({"url": url, "ok": not found, "weight_version": check.weight_version,
+                             "num_tensors": len(check.tensors), "mismatches": found})  # fmt: skip
+        finally:
+            with_digests.close()
+
+        def show() -> None:
+            for doc in docs:
+                url = doc["url"]
+                for line in doc.get("mismatches", []):
                     console.print(f"[red]MISMATCH[/red] {url} {line}", highlight=False)
-            else:
-                n, v = len(check.tensors), check.weight_version
-                console.print(f"[green]OK[/green] {url}: {n} tensors match (version {v})")
-    finally:
-        with_digests.close()
-    if bad:
-        named = "; ".join(
-            f"{url}: {len(lines)} tensor(s) differ ({shorten(lines)})" for url, lines in bad.items()
-        )
-        raise GrctlError(f"verification failed on {len(bad)} server(s): {named}")
-    return bad
+                if doc["ok"]:
+                    n, v = doc["num_tensors"], doc["weight_version"]
+                    console.print(f"[green]OK[/green] {url}: {n} tensors match (version {v})")
+
+        out.emit({"ok": all(d["ok"] for d in docs), "servers": docs}, human=show)
+        unreachable = [(url, r) for url, r in rows if isinstance(r, GrctlError)]
+        problems = [f"{url}: {len(lines)} tensor(s) differ ({shorten(lines)})"
+                    for url, lines in bad.items()]  # fmt: skip
+        problems += [f"{url}: {outcome.describe(exc)}" for url, exc in unreachable]
+        if problems:
+            num = len(bad) + len(unreachable)
+            raise GrctlError(f"verification failed on {num} server(s): " + "; ".join(problems))
 
 
 def shorten(lines: list[str], shown: int = 4) -> str:
@@ -136,28 +194,45 @@ def shorten(lines: list[str], shown: int = 4) -> str:
     return ", ".join(names[:shown]) + more
 
 
-def run_push(urls, checkpoint: Path, *, verify: bool, api_key=None, **sync_kw: Any):
-    """WeightSync with a progress bar, then the summary table (also when it fails)."""
+def run_push(
+    urls, checkpoint: Path, *, verify: bool, api_key=None, as_json=False, verbose=False, **sync_kw
+):
+    """WeightSync with a progress bar, then the summary (also when it fails)."""
     from grctl.client.outcome import SyncError
     from grctl.client.sync import WeightSync
 
+    def show(result) -> None:
+        if verbose:
+            console.print(report.sync_table(result))
+        else:
+            report.sync_lines(console, result)
+
     version, token_step = sync_kw.pop("weight_version", None), sync_kw.pop("token_step", None)
     transport = sync_kw.get("transport", "tensor")
-    with report.push_progress(err_console, transport) as on_progress:
-        with WeightSync(
-            urls,  # None: DEFAULT_URL, unless a router names the servers
-            api_key=api_key,
-            verify=verify,
-            on_progress=on_progress,
-            **sync_kw,
-        ) as sync:
-            try:
-                result = sync.run(checkpoint, weight_version=version, token_step=token_step)
-            except SyncError as exc:
-                console.print(report.sync_table(exc.result))
-                raise
-    console.print(report.sync_table(result))
+    with command_output("push", as_json) as out:
+        with report.push_progress(err_console, transport) as on_progress:
+            with WeightSync(
+                urls,  # None: DEFAULT_URL, unless a router names the servers
+                api_key=api_key,
+                verify=verify,
+                on_progress=on_progress,
+                **sync_kw,
+            ) as sync:
+                try:
+                    result = sync.run(checkpoint, weight_version=version, token_step=token_step)
+                except SyncError as exc:
+                    failed = exc.result
+                    doc = {"ok": False, "error": exc.to_dict(), "result": sync_doc(failed)}
+                    out.emit(doc, human=lambda: show(failed))
+                    raise
+        out.emit({"ok": True, "result": sync_doc(result)}, human=lambda: show(result))
     return result
+
+
+def sync_doc(result) -> dict[str, Any]:
+    servers = [{**to_builtins(s), "ok": s.ok, "state": s.left_as() if not s.ok else "ok"}
+               for s in result.servers]  # fmt: skip
+    return {**to_builtins(result), "servers": servers, "push_gbps": result.push_gbps}
 
 
 def push(
@@ -168,8 +243,14 @@ def push(
         typer.Option(envvar="GR_ROUTER", help="sglang-router URL: push to every worker it lists."),
     ] = None,
     transport: Annotated[Transport, typer.Option(help=TRANSPORT_HELP)] = Transport.tensor,
-    chunked: Annotated[bool, typer.Option(help="Several buckets (else one).")] = True,
-    bucket_mb: Annotated[float, typer.Option(min=0.0001, help="Bucket size, MiB.")] = 512,
+    chunked: Annotated[
+        Optional[bool],
+        typer.Option(help="Several buckets, else one (tensor transport) [default: chunked]"),
+    ] = None,
+    bucket_mb: Annotated[
+        Optional[float],
+        typer.Option(min=0.0001, help="Bucket size, MiB (tensor transport) [default: 512]"),
+    ] = None,
     weight_version: Annotated[Optional[str], typer.Option(help="Version label to set.")] = None,
     token_step: Annotated[Optional[int], typer.Option(help="Training step label.")] = None,
     pause_mode: Annotated[PauseMode, typer.Option(help="How to pause.")] = PauseMode.abort,
@@ -178,16 +259,27 @@ def push(
     flush_interval: Annotated[float, typer.Option(min=0, help="Seconds between tries.")] = 1.0,
     api_key: ApiKey = None,
     timeout: Annotated[float, typer.Option(min=1, help="Seconds per update call.")] = 600.0,
+    json: Json = False,
+    verbose: Verbose = False,
 ) -> None:
     """Pause, flush, push a checkpoint, resume and verify, on one server or a fleet."""
+    if transport is Transport.disk and (chunked is not None or bucket_mb is not None):
+        flag = "--chunked/--no-chunked" if chunked is not None else "--bucket-mb"
+        raise typer.BadParameter(
+            f"{flag} applies to --transport tensor only: with disk the servers read the "
+            "checkpoint files themselves",
+            param_hint="'--transport disk'",
+        )
     run_push(
         url,
         checkpoint,
         verify=verify,
         api_key=api_key,
+        as_json=json,
+        verbose=verbose,
         transport=transport.value,
-        chunked=chunked,
-        bucket_mb=bucket_mb,
+        chunked=True if chunked is None else chunked,
+        bucket_mb=512 if bucket_mb is None else bucket_mb,
         weight_version=weight_version,
         token_step=token_step,
         pause_mode=pause_mode.value,
@@ -203,14 +295,17 @@ def pause(
     mode: PauseMode = PauseMode.abort,
     api_key: ApiKey = None,
     timeout: Timeout = 30,
+    json: Json = False,
 ) -> None:
     """Pause generation (abort, retract or in_place)."""
-    run_pause(url, mode.value, api_key, timeout)
+    run_pause(url, mode.value, api_key, timeout, json)
 
 
-def resume(url: Urls = None, api_key: ApiKey = None, timeout: Timeout = 30) -> None:
+def resume(
+    url: Urls = None, api_key: ApiKey = None, timeout: Timeout = 30, json: Json = False
+) -> None:
     """Resume generation (continue_generation)."""
-    run_resume(url, api_key, timeout)
+    run_resume(url, api_key, timeout, json)
 
 
 def flush(
@@ -219,14 +314,17 @@ def flush(
     interval: Annotated[float, typer.Option(min=0, help="Seconds between tries.")] = 1.0,
     api_key: ApiKey = None,
     timeout: Timeout = 30,
+    json: Json = False,
 ) -> None:
     """Flush the prefill cache, retrying while requests still hold KV (slime's loop)."""
-    run_flush(url, retries, interval, api_key, timeout)
+    run_flush(url, retries, interval, api_key, timeout, json)
 
 
-def status(url: Urls = None, api_key: ApiKey = None, timeout: Timeout = 30) -> None:
-    """Show /status: scheduler, requests, prefill cache, engine and weights."""
-    run_status(url, api_key, timeout)
+def status(
+    url: Urls = None, api_key: ApiKey = None, timeout: Timeout = 30, json: Json = False
+) -> None:
+    """Show each server's state in a few lines (--json: all of /status)."""
+    run_status(url, api_key, timeout, json)
 
 
 def verify(
@@ -234,9 +332,10 @@ def verify(
     url: Urls = None,
     api_key: ApiKey = None,
     timeout: Timeout = 120,
+    json: Json = False,
 ) -> None:
     """Compare every served tensor's sha256 with the checkpoint's (exit 1 on a mismatch)."""
-    run_verify(url, checkpoint, api_key, timeout)
+    run_verify(url, checkpoint, api_key, timeout, json)
 
 
 def demo(

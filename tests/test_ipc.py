@@ -495,8 +495,9 @@ def test_shared_memory_records_are_checked_against_the_segment():
 
     with pytest.raises(WeightValidationError, match="smaller than"):
         MultiprocessingSerializer.deserialize(entry(handle, size + 4096))
-    with pytest.raises(WeightValidationError, match="gone"):
+    with pytest.raises(WeightValidationError, match="not in this server's /dev/shm") as gone:
         MultiprocessingSerializer.deserialize(entry(b"/torch_1_1_1", size))
+    assert "--transport disk" in str(gone.value)  # the message says what to do
     tensor.untyped_storage()._shared_incref()  # as a sender does; the rebuild decrefs
     assert MultiprocessingSerializer.deserialize(entry(handle, size)).nbytes() == size
 

@@ -24,7 +24,7 @@ import msgspec
 from grctl.client import types as t
 from grctl.client.calls import Call, text
 from grctl.client.routes import Routes
-from grctl.errors import CacheBusy, GrctlError, error_from_wire
+from grctl.errors import CacheBusy, GrctlError, ValidationError, error_from_wire
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 
@@ -74,8 +74,19 @@ def is_flush_retryable(exc: GrctlError) -> bool:
 def flush_gave_up(url: str, retries: int, last: GrctlError | None) -> CacheBusy:
     return CacheBusy(
         f"{url}: /flush_cache did not succeed after {retries} tries; last reply: {last}",
-        hint="pause generation first, or raise --retries / --interval",
+        hint="raise --retries / --interval to wait longer",
     )
+
+
+def normalize_url(url: str) -> str:
+    """`host:port` -> `http://host:port` (what curl and SGLang's clients accept too); any
+    scheme but http(s) is refused."""
+    url = url.strip().rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    if not url.startswith(("http://", "https://")):
+        raise ValidationError(f"server URL {url!r} must start with http:// or https://")
+    return url
 
 
 class _Base(Routes):
@@ -89,7 +100,7 @@ class _Base(Routes):
         generate_timeout: float = 330.0,
         update_timeout: float = 600.0,
     ):
-        self.url = url.rstrip("/")
+        self.url = normalize_url(url)
         self.timeouts = {"control": timeout, "generate": generate_timeout, "update": update_timeout}
         self._kw = dict(
             base_url=self.url,

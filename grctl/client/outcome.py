@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from grctl.errors import GrctlError
+from grctl.errors import GrctlError, Unauthorized
 
 STAGES = ("connect", "pause", "flush", "push", "continue", "verify")
 
@@ -37,17 +37,35 @@ class ServerOutcome:
     def fail(self, stage: str, exc: BaseException | str, where: str = "") -> None:
         if self.failed_stage is None:  # the first failure is the one that matters
             self.failed_stage = stage
-            text = (
-                str(exc) if isinstance(exc, (GrctlError, str)) else f"{type(exc).__name__}: {exc}"
-            )
+            text = describe(exc)
             self.error = f"{where}: {text}" if where else text
 
     def summary(self) -> str:
         if self.ok:
             return f"{self.url}: ok (version {self.weight_version})"
-        resumed = "resumed" if self.resumed else "NOT resumed"
+        return f"{self.url}: {self.failed_stage} failed ({self.error}); {self.left_as()}"
+
+    def left_as(self) -> str:
+        """What the failure left on this server, as far as the client knows."""
+        if self.failed_stage == "connect":
+            return "never reached, so nothing changed there"
         kept = f"version {self.weight_version}" if self.weight_version else "version unknown"
-        return f"{self.url}: {self.failed_stage} failed ({self.error}); {resumed}, {kept}"
+        if self.failed_stage == "pause":
+            return f"not paused, nothing changed ({kept})"
+        if self.resumed:
+            return f"resumed, {kept}"
+        if self.failed_stage == "push" and self.num_buckets:
+            return f"left paused with partly new weights: push again, {kept}"
+        return f"NOT resumed: check it, then `grctl resume`, {kept}"
+
+
+def describe(exc: BaseException | str) -> str:
+    """An error as one line, with what to do for the ones a CLI user causes most."""
+    if isinstance(exc, Unauthorized):
+        return f"{exc} (pass the server's key with --api-key or GR_API_KEY)"
+    if isinstance(exc, (GrctlError, str)):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
 
 
 @dataclass

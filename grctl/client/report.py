@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -58,13 +57,45 @@ def fmt_bytes(n: int) -> str:
     return str(n)
 
 
-def sync_table(result: outcome.SyncResult) -> Table:
-    title = (
-        f"push {result.transport} -> version {result.weight_version or '(label unchanged)'}: "
-        f"{result.num_buckets} bucket(s), {fmt_bytes(result.num_bytes)}, "
-        f"{result.push_gbps:.3f} GB/s, {result.timings.get('total', 0.0):.2f} s"
+def sync_lines(console: Console, result: outcome.SyncResult) -> None:
+    """The push summary that fits 80 columns: a headline, what moved, one row per server."""
+    num_ok = sum(s.ok for s in result.servers)
+    target = result.weight_version or "(label unchanged)"
+    total = result.timings.get("total", 0.0)
+    console.print(
+        f"push {result.transport} -> version {target}: {num_ok} of {len(result.servers)} "
+        f"server(s) ok in {total:.2f} s; {moved(result)}",
+        highlight=False,
     )
-    table = Table(title=title, title_justify="left")
+    table = Table(box=None, show_header=False, pad_edge=False)
+    for col in ("state", "server", "version", "verified"):
+        table.add_column(col, overflow="fold")
+    for s in result.servers:
+        state = "[green]ok[/green]" if s.ok else f"[red]FAILED[/red] at {s.failed_stage}"
+        version = "" if s.old_version is None else f"{s.old_version} -> {s.weight_version}"
+        verified = {None: "", True: "[green]verified[/green]", False: "[red]differs[/red]"}
+        table.add_row(state, s.url, version, verified[s.verified])
+    console.print(table)
+
+
+def moved(result: outcome.SyncResult) -> str:
+    """Bytes and speed for a tensor push; for a disk push the servers read the files
+    themselves, so the client has no byte count: tensors and seconds instead."""
+    push_s = result.timings.get("push", 0.0)
+    if not any(s.num_buckets or s.num_tensors for s in result.servers):
+        return "nothing was pushed"
+    if result.transport == "disk":
+        tensors = max((s.num_tensors for s in result.servers), default=0)
+        return f"the servers read {tensors} tensors from {result.checkpoint} in {push_s:.2f} s"
+    return (
+        f"{result.num_buckets} bucket(s), {fmt_bytes(result.num_bytes)} in {push_s:.2f} s"
+        f" ({result.push_gbps:.2f} GB/s)"
+    )
+
+
+def sync_table(result: outcome.SyncResult) -> Table:
+    """--verbose: every server's buckets, bytes, tensors and each stage's seconds."""
+    table = Table(title=moved(result), title_justify="left")
     for col in ("server", "outcome", "version", "buckets", "bytes", "tensors", "verified"):
         table.add_column(col, overflow="fold")
     for stage in outcome.STAGES[1:]:
@@ -102,25 +133,46 @@ def _struct_text(obj: Any) -> str:
     return ", ".join(f"{f}={getattr(obj, f)!r}" for f in fields) if fields else repr(obj)
 
 
-def status_table(url: str, status: Status) -> Table:
-    table = Table(title=f"{url} /status", title_justify="left")
-    table.add_column("section", style="bold")
-    table.add_column("key")
-    table.add_column("value", overflow="fold")
-    sections = {
-        "weights": {f: getattr(status.weights, f) for f in status.weights.__struct_fields__}
-    }
-    sections.update(status.sections)
-    for section, values in sections.items():
-        if not isinstance(values, dict):
-            table.add_row(section, "", _value(values))
-            continue
-        for i, (key, value) in enumerate(values.items()):
-            table.add_row(section if i == 0 else "", key, _value(value))
+def status_view(url: str, status: Status) -> Table:
+    """/status in a few lines, each fact once (`--json` has every key)."""
+    sched = status.sections.get("scheduler", {})
+    reqs = status.sections.get("requests", {})
+    cache = status.sections.get("prefill_cache", {})
+    eng = status.sections.get("engine", {})
+    w = status.weights
+    paused = sched.get("paused")
+    state = f"[yellow]paused ({sched.get('pause_mode')})[/yellow]" if paused else "serving"
+    if not eng.get("weights_consistent", True):
+        state = "[red]weights inconsistent (push a complete update)[/red]"
+    last_ms = w.last_weight_update_ms
+    table = Table(box=None, show_header=False, title=f"{url}: {state}", title_justify="left")
+    table.add_column("part", style="bold")
+    table.add_column("facts", overflow="fold")
+    step = "" if w.token_step is None else f", token_step {w.token_step}"
+    table.add_row(
+        "weights",
+        f"version {w.weight_version}{step}, {w.weight_update_count} update(s)"
+        + ("" if last_ms is None else f", last took {last_ms:.0f} ms"),
+    )
+    table.add_row(
+        "requests",
+        f"{sched.get('num_running', 0)} running ({sched.get('running_beams', 0)} beams), "
+        f"{sched.get('num_waiting', 0)} waiting; {reqs.get('succeeded', 0)} done, "
+        f"{reqs.get('aborted', 0)} aborted; latency avg {reqs.get('latency_s_avg', 0.0):.3f} s",
+    )
+    if cache.get("enabled"):
+        facts = (
+            f"{cache.get('entries', 0)} entries, {cache.get('tokens', 0)} tokens; "
+            f"{cache.get('hits', 0)} hits, {cache.get('misses', 0)} misses"
+        )
+    else:
+        facts = "off"
+    table.add_row("prefill cache", facts)
+    graphs = "cuda graphs on" if eng.get("cuda_graph", {}).get("enabled") else "eager"
+    errors = eng.get("errors", 0)
+    table.add_row(
+        "engine",
+        f"{eng.get('device')} {eng.get('dtype')}, {graphs}, up {eng.get('uptime_s', 0):.0f} s"
+        + (f", [red]{errors} error(s): {eng.get('last_error')}[/red]" if errors else ""),
+    )
     return table
-
-
-def _value(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return v if isinstance(v, str) else json.dumps(v)

@@ -11,10 +11,12 @@ carries one shared-memory name or one CUDA IPC handle per bucket and no tensor b
 from __future__ import annotations
 
 import math
+import shutil
 from dataclasses import dataclass
 
 import torch
 
+from grctl.errors import GrctlError
 from grctl.weights import ipc
 from grctl.weights.apply import TensorSpec
 from grctl.weights.checkpoint import Checkpoint
@@ -79,9 +81,33 @@ def shared_buffer(nbytes: int) -> torch.Tensor:
     """A uint8 CPU tensor allocated in named POSIX shared memory (no copy into it later)."""
     ipc.start_shm_manager_detached()
     new = getattr(torch.UntypedStorage, "_new_using_filename_cpu", None)
-    if new is None:  # an older torch: allocate, then move into shared memory once
-        return ipc.share_for_ipc(torch.empty(nbytes, dtype=torch.uint8))
-    return torch.empty(0, dtype=torch.uint8).set_(new(nbytes))
+    try:
+        if new is None:  # an older torch: allocate, then move into shared memory once
+            return ipc.share_for_ipc(torch.empty(nbytes, dtype=torch.uint8))
+        return torch.empty(0, dtype=torch.uint8).set_(new(nbytes))
+    except RuntimeError as exc:
+        if "No space left" not in str(exc):
+            raise
+        raise no_shm_space(nbytes) from exc
+
+
+class ShmFull(GrctlError):
+    """/dev/shm too small for a bucket (Docker's default is 64 MiB); nothing was sent."""
+
+    code, status = "shm_full", 0
+
+
+def no_shm_space(nbytes: int) -> ShmFull:
+    try:
+        free = f"{shutil.disk_usage('/dev/shm').free / MiB:.0f} MiB free"
+    except OSError:
+        free = "its free space unknown"
+    need = 2 * nbytes / MiB  # two buckets are alive at once (pipeline.py)
+    return ShmFull(
+        f"/dev/shm has no room for a {nbytes / MiB:.0f} MiB bucket ({free})",
+        hint=f"use --transport disk, a smaller --bucket-mb, or a /dev/shm of at least "
+        f"{need:.0f} MiB (docker run --shm-size)",
+    )
 
 
 class StagedBucket:

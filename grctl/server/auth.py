@@ -39,4 +39,6 @@ def api_key_guard(connection: ASGIConnection, route_handler: BaseRouteHandler) -
             hint="send X-GR-API-Key: <key> or Authorization: Bearer <key>",
         )
     if not hmac.compare_digest(key.encode(), expected.encode()):
-        raise Forbidden("wrong API key")
+        raise Forbidden(
+            "wrong API key", hint="send the key the server was started with (--api-key, GR_API_KEY)"
+        )

@@ -149,13 +149,25 @@ async def health_generate(state: State) -> HealthResponse:
     return HealthResponse(ok=True)
 
 
+def flush_hint(pause_mode: str | None) -> str:
+    """What would let the flush through, given how the server is (or is not) paused."""
+    if pause_mode == "in_place":
+        return (
+            "the server is paused in_place, which keeps the requests' KV: resume it, or pause "
+            "with mode abort or retract, then flush"
+        )
+    if pause_mode is not None:  # abort/retract: only the step in flight holds KV, briefly
+        return "the step in flight ends shortly: retry, or pass a timeout to wait"
+    return "pause generation first (POST /pause_generation), or pass a timeout to wait"
+
+
 async def flush(state: State, timeout: float | None) -> Response[FlushCacheResponse]:
     ok, cleared = await offload(state, state.engine.flush_cache, timeout=timeout or 0.0)
     if ok:
         return Response(FlushCacheResponse(success=True, entries_cleared=cleared), status_code=200)
     busy = CacheBusy(
         "cannot flush the cache while requests hold KV or are being computed",
-        hint="pause generation first (POST /pause_generation), or pass a timeout to wait",
+        hint=flush_hint(state.engine.pause_mode),
     )
     body = FlushCacheResponse(success=False, message=str(busy), error=busy.to_dict())
     return Response(body, status_code=400)

@@ -135,7 +135,12 @@ def rebuild_storage_filename(cls, manager, handle, size, dtype=None):
             _check(stat.S_ISREG(seg.st_mode), f"{handle!r} is not a regular segment")
             _check(seg.st_size >= size, f"segment {handle!r} is smaller than {size} bytes")
     except OSError as exc:
-        raise _refuse(f"shared memory is gone ({exc.strerror}): {handle!r}") from None
+        raise _refuse(
+            f"shared memory segment {handle!r} is not in this server's /dev/shm ({exc.strerror}):"
+            " the pushing process must run on this host and share its /dev/shm (a container"
+            " needs the host's /dev/shm mounted) and keep the bucket until the call returns;"
+            " otherwise push with --transport disk"
+        ) from None
     return reductions.rebuild_storage_filename(torch.UntypedStorage, manager, handle, size)
 
 
