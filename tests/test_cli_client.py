@@ -112,7 +112,8 @@ def test_pause_flush_status_resume(fleet):
         assert gr.ready().reasons == ["paused"]
         assert grctl("flush", "--url", url, "--retries", "3", "--interval", "0.1").returncode == 0
         out = grctl("status", "--url", url)
-        assert out.returncode == 0 and "weight_version" in out.stdout and "scheduler" in out.stdout
+        assert out.returncode == 0 and "paused (retract)" in out.stdout, out.stdout
+        assert "version default" in out.stdout
         assert grctl("resume", "--url", url).returncode == 0
         assert gr.ready().ready
 
