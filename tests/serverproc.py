@@ -3,8 +3,9 @@
     with running_server("--allow-weight-update", "--model-path", str(ckpt)) as srv:
         httpx.get(srv.url + "/health")
 
-The server's stdout and stderr go to a log file (srv.log_text()); on exit it gets SIGTERM, then
-SIGKILL if it has not stopped within `stop_timeout` seconds.
+The server's stdout and stderr go to a log file (srv.log_text(), readable until the block ends;
+it is removed with its directory on exit, so tests leave nothing in /tmp); on exit the server
+gets SIGTERM, then SIGKILL if it has not stopped within `stop_timeout` seconds.
 """
 
 from __future__ import annotations
@@ -83,7 +84,6 @@ def running_server(
 ) -> Iterator[ServerProc]:
     """Yield a started server; extra CLI flags in `args`, extra environment in `env`."""
     port = free_port()
-    log_path = Path(tempfile.mkstemp(prefix=f"grctl-serve-{port}-", suffix=".log")[1])
     cmd = [sys.executable, "-m", "grctl", "serve", "--host", "127.0.0.1", "--port", str(port)]
     if not any(a == "--device" or a.startswith("--device=") for a in args):
         cmd += ["--device", "cpu"]
@@ -91,16 +91,18 @@ def running_server(
     full_env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(REPO_ROOT), full_env.get("PYTHONPATH")) if p
     )
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [*cmd, *args], stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=REPO_ROOT
-        )
-    srv = ServerProc(url=f"http://127.0.0.1:{port}", port=port, proc=proc, log_path=log_path)
-    try:
-        wait_healthy(srv, start_timeout)
-        yield srv
-    finally:
-        stop(srv, stop_timeout)
+    with tempfile.TemporaryDirectory(prefix="grctl-serve-") as log_dir:  # removed on exit
+        log_path = Path(log_dir) / f"serve-{port}.log"
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                [*cmd, *args], stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=REPO_ROOT
+            )
+        srv = ServerProc(url=f"http://127.0.0.1:{port}", port=port, proc=proc, log_path=log_path)
+        try:
+            wait_healthy(srv, start_timeout)
+            yield srv
+        finally:
+            stop(srv, stop_timeout)
 
 
 def assert_error(resp: httpx.Response, status: int, code: str) -> dict:

@@ -113,7 +113,7 @@ def test_pause_flush_status_resume(fleet):
         assert grctl("flush", "--url", url, "--retries", "3", "--interval", "0.1").returncode == 0
         out = grctl("status", "--url", url)
         assert out.returncode == 0 and "paused (retract)" in out.stdout, out.stdout
-        assert "version default" in out.stdout
+        assert f"version {gr.status().weights.weight_version}," in out.stdout
         assert grctl("resume", "--url", url).returncode == 0
         assert gr.ready().ready
 

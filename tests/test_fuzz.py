@@ -55,12 +55,10 @@ GET_ROUTES = [
 ]
 
 
-ROOT = Path(tempfile.mkdtemp(prefix="grctl-fuzz-"))  # the cases name paths under it
-
-
 @pytest.fixture(scope="module")
-def root() -> Path:
-    return ROOT
+def root(tmp_path_factory) -> Path:
+    """The fuzz root the cases name paths under (pytest's tmp dir: nothing left in /tmp)."""
+    return tmp_path_factory.mktemp("fuzz")
 
 
 @pytest.fixture(scope="module")
@@ -258,7 +256,10 @@ def cases(root: Path) -> list[tuple[str, str, object]]:
     return c
 
 
-CASES = cases(ROOT)
+# Collection needs only how many cases there are (building them writes a helper module, so
+# in a directory removed at once); `prepared` builds them again under the real root.
+with tempfile.TemporaryDirectory(prefix="grctl-fuzz-count-") as _tmp:
+    NUM_CASES = len(cases(Path(_tmp)))
 
 
 @pytest.fixture(scope="module")
@@ -268,7 +269,9 @@ def prepared(root, srv):
     link = root / "weights" / "link"
     if not link.exists():
         link.symlink_to(root / "outside" / "ckpt")
-    return CASES
+    built = cases(root)
+    assert len(built) == NUM_CASES
+    return built
 
 
 def send(http, method: str, route: str, body: object):
@@ -284,7 +287,7 @@ def test_at_least_fifty_cases(prepared):
     assert len(prepared) >= 50
 
 
-@pytest.mark.parametrize("index", range(len(CASES)))
+@pytest.mark.parametrize("index", range(NUM_CASES))
 def test_hostile_input_is_a_4xx_and_changes_nothing(http, prepared, baseline, root, index):
     method, route, body = prepared[index]
     check_4xx(send(http, method, route, body))
