@@ -39,8 +39,9 @@ Urls = Annotated[
         "--url",
         callback=normalize_urls,
         envvar="GR_URL",
-        show_default=DEFAULT_URL,
-        help="Server URL (http:// added if missing); repeat for a fleet (GR_URL: space-separated).",
+        metavar="URL",
+        show_default=False,
+        help=f"Server URL (default {DEFAULT_URL}); repeat for a fleet. GR_URL: space-separated.",
     ),
 ]
 ApiKey = Annotated[
@@ -48,10 +49,13 @@ ApiKey = Annotated[
     typer.Option(
         envvar=["GR_API_KEY", "GR_HTTP_API_KEY"],
         show_default=False,
+        metavar="KEY",
         help="The servers' API key (GR_API_KEY; GR_HTTP_API_KEY still read).",
     ),
 ]
-Timeout = Annotated[float, typer.Option(min=0.1, help="Seconds to wait for each reply.")]
+Timeout = Annotated[
+    float, typer.Option(min=0.1, metavar="SECONDS", help="Seconds to wait for each reply.")
+]
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Every detail, per server.")]
 
 
@@ -236,7 +240,9 @@ def sync_doc(result) -> dict[str, Any]:
 
 
 def push(
-    checkpoint: Annotated[Path, typer.Option(help="HF checkpoint directory to push.")],
+    checkpoint: Annotated[
+        Path, typer.Option(metavar="DIR", help="HF checkpoint directory to push.")
+    ],
     url: Urls = None,
     router: Annotated[
         Optional[str],
@@ -245,11 +251,11 @@ def push(
     transport: Annotated[Transport, typer.Option(help=TRANSPORT_HELP)] = Transport.tensor,
     chunked: Annotated[
         Optional[bool],
-        typer.Option(help="Several buckets, else one (tensor transport) [default: chunked]"),
+        typer.Option(help="Several buckets, else one (tensor only; default: chunked)."),
     ] = None,
     bucket_mb: Annotated[
         Optional[float],
-        typer.Option(min=0.0001, help="Bucket size, MiB (tensor transport) [default: 512]"),
+        typer.Option(min=0.0001, metavar="MB", help="Bucket MiB (tensor only; default: 512)."),
     ] = None,
     weight_version: Annotated[Optional[str], typer.Option(help="Version label to set.")] = None,
     token_step: Annotated[Optional[int], typer.Option(help="Training step label.")] = None,
