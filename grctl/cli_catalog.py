@@ -3,65 +3,55 @@
 status, reload and rollback call servers (--url, repeatable; --api-key); validate reads a file
 here, with no server: counts, the depth histogram, collisions, items no beam can reach, and
 token ids outside the vocabulary (--vocab-size, or the config.json of --model-path); it exits 1
-on a file a server would refuse. Every command takes --json: one JSON document on stdout (for
-one server its reply; for several, {url: reply}).
+on a file a server would refuse. Every command takes --json: one JSON document on stdout, the
+shape every client command uses (grctl/cli_output.py; docs/cli.md).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
-import msgspec
 import typer
 from rich.table import Table
 
-from grctl.cli_client import ApiKey, Timeout, Urls, console
-from grctl.client.http import DEFAULT_URL, GRClient
-from grctl.errors import GrctlError, ValidationError
+from grctl.cli_client import ApiKey, Row, Timeout, Urls, console, each_server, finish
+from grctl.cli_output import Json, command_output
+from grctl.errors import ValidationError
 
 catalog_app = typer.Typer(
     help="The item catalog: status, reload and rollback on servers; validate a file here.",
     no_args_is_help=True,
 )
-Json = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
 
 
-def on_servers(urls, api_key, timeout: float, call) -> dict[str, dict]:
-    """{url: reply as a dict}; the first failing server raises (after the others ran)."""
-    out, failed = {}, []
-    for url in urls or [DEFAULT_URL]:
-        try:
-            with GRClient(url, api_key=api_key, timeout=timeout) as gr:
-                out[url] = msgspec.to_builtins(call(gr))
-        except GrctlError as exc:
-            out[url] = {"error": str(exc)}
-            failed.append(f"{url}: {exc}")
-    if failed:
-        raise GrctlError(f"{len(failed)} of {len(out)} server(s) failed: " + "; ".join(failed))
-    return out
-
-
-def show(replies: dict[str, dict], as_json: bool, title: str) -> None:
-    if as_json:
-        doc = next(iter(replies.values())) if len(replies) == 1 else replies
-        print(json.dumps(doc))
-        return
+def table_of(title: str) -> Callable[[list[Row]], None]:
     keys = ("version", "num_items", "num_paths", "max_depth", "nbytes", "source")
-    table = Table(title=title)
-    table.add_column("server")
-    for k in keys:
-        table.add_column(k)
-    for url, r in replies.items():
-        table.add_row(url, *(str(r.get(k, "")) for k in keys))
-    console.print(table)
+
+    def show(rows: list[Row]) -> None:
+        table = Table(title=title)
+        table.add_column("server")
+        for k in keys:
+            table.add_column(k)
+        for url, reply in rows:
+            table.add_row(url, *(str(getattr(reply, k, "")) for k in keys))
+        console.print(table)
+
+    return show
+
+
+def on_servers(name: str, urls, api_key, timeout: float, as_json: bool, call) -> None:
+    """Call every server; --json: the shared document (grctl/cli_output.py), else a table."""
+    with command_output(f"catalog {name}", as_json) as out:
+        finish(out, each_server(urls, api_key, timeout, call), table_of(f"catalog {name}"))
 
 
 @catalog_app.command("status")
 def status(url: Urls = None, api_key: ApiKey = None, timeout: Timeout = 30.0, json_: Json = False):
     """The catalog each server serves: version, counts, bytes, source."""
-    show(on_servers(url, api_key, timeout, lambda gr: gr.catalog_status()), json_, "catalog")
+    on_servers("status", url, api_key, timeout, json_, lambda gr: gr.catalog_status())
 
 
 @catalog_app.command("reload")
@@ -73,8 +63,7 @@ def reload(
     json_: Json = False,
 ):
     """Build the catalog at PATH on each server and serve it (needs --allow-catalog-reload)."""
-    replies = on_servers(url, api_key, timeout, lambda gr: gr.catalog_reload(path))
-    show(replies, json_, "catalog reloaded")
+    on_servers("reload", url, api_key, timeout, json_, lambda gr: gr.catalog_reload(path))
 
 
 @catalog_app.command("rollback")
@@ -82,8 +71,7 @@ def rollback(
     url: Urls = None, api_key: ApiKey = None, timeout: Timeout = 30.0, json_: Json = False
 ):
     """Serve the catalog from before the last reload again."""
-    replies = on_servers(url, api_key, timeout, lambda gr: gr.catalog_rollback())
-    show(replies, json_, "catalog rolled back")
+    on_servers("rollback", url, api_key, timeout, json_, lambda gr: gr.catalog_rollback())
 
 
 @catalog_app.command("validate")
@@ -99,15 +87,17 @@ def validate(
 ):
     """Check a catalog file here (no server); exit 1 if a server would refuse it."""
     report = run_validate(str(path), vocab_size, model_path)
-    if json_:
-        print(json.dumps(report))
-    else:
+
+    def show() -> None:
         table = Table(title=f"catalog {path}")
         table.add_column("check")
         table.add_column("value")
         for k, v in report.items():
             table.add_row(k, json.dumps(v) if isinstance(v, (dict, list)) else str(v))
         console.print(table)
+
+    with command_output("catalog validate", json_) as out:
+        out.emit(report, human=show)
     if not report["ok"]:
         raise typer.Exit(1)
 

@@ -64,6 +64,10 @@ def test_validate_bad_files_exit_1(tmp_path, content, needle):
     assert code == 1 and report["ok"] is False and needle in report["error"]
 
 
+def reply(out) -> dict:
+    return json.loads(out.stdout)["servers"][0]["reply"]
+
+
 def test_status_reload_rollback_json_and_typed_client(tmp_path):
     v1 = write_catalog(tmp_path / "v1.jsonl", 1, 400)
     v2 = write_catalog(tmp_path / "v2.jsonl", 2, 50, codes=8, id_prefix="b")
@@ -71,7 +75,9 @@ def test_status_reload_rollback_json_and_typed_client(tmp_path):
         url = ["--url", srv.url]
         out = grctl("catalog", "status", *url, "--json")
         assert out.returncode == 0, out.stderr
-        status = json.loads(out.stdout)
+        doc = json.loads(out.stdout)  # the shared --json document (grctl/cli_output.py)
+        assert doc["command"] == "catalog status" and doc["ok"] is True
+        status = doc["servers"][0]["reply"]
         assert status["version"] == 1 and status["num_items"] == 400
         with GRClient(srv.url) as gr:
             res = gr.generate([1, 2, 3], max_new_tokens=3, n=3)
@@ -82,15 +88,17 @@ def test_status_reload_rollback_json_and_typed_client(tmp_path):
             free = gr.generate([1, 2, 3], max_new_tokens=3, n=3, use_catalog=False)
             assert free.meta_info.item_results is None and free.meta_info.catalog_version is None
             out = grctl("catalog", "reload", str(tmp_path / "v2.jsonl"), *url, "--json")
-            assert out.returncode == 0 and json.loads(out.stdout)["version"] == 2
+            assert out.returncode == 0 and reply(out)["version"] == 2
             res = gr.generate([1, 2, 3], max_new_tokens=3, n=2)
             assert res.meta_info.catalog_version == 2
             assert all(r.item_ids == v2[tuple(r.token_ids)] for r in res.meta_info.item_results)
             out = grctl("catalog", "rollback", *url, "--json")
-            assert out.returncode == 0 and json.loads(out.stdout)["version"] == 1
+            assert out.returncode == 0 and reply(out)["version"] == 1
             assert gr.catalog_status().version == 1
         out = grctl("catalog", "rollback", *url, "--json")
         assert out.returncode == 1 and "no previous catalog" in out.stderr
+        failed = json.loads(out.stdout)["servers"][0]
+        assert failed["ok"] is False and "no previous catalog" in failed["error"]["message"]
         out = grctl("catalog", "reload", str(tmp_path / "missing.jsonl"), *url)
         assert out.returncode == 1 and "cannot be read" in out.stderr
         out = grctl("catalog", "status", *url)  # the table, for people
