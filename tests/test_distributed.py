@@ -21,7 +21,7 @@ from grctl.client.distributed import WeightBroadcaster, buckets
 from grctl.errors import ValidationError
 from grctl.weights.apply import TensorSpec
 from grctl.weights.checker import tensor_sha256
-from grctl.weights.distributed import byte_layout, parse_specs, split_bucket
+from grctl.weights.distributed import byte_layout, parse_specs, split_bucket, wait_all
 from tests.checkpoints import load_hf, write_checkpoint
 from tests.serverproc import REPO_ROOT, assert_error, free_port, running_server
 
@@ -78,6 +78,33 @@ def hf_greedy(hf) -> list[int]:
 
 
 # ---- units ----------------------------------------------------------------------------------
+
+
+class NcclLikeWork:
+    """A collective as NCCL's Work reports it: wait() only orders streams and returns at once;
+    is_completed() turns true when the transfer has really ended (`done_at`, None: never)."""
+
+    def __init__(self, done_at: float | None):
+        self.done_at = done_at
+        self.num_waits = 0
+
+    def is_completed(self) -> bool:
+        return self.done_at is not None and time.monotonic() >= self.done_at
+
+    def wait(self, timeout=None) -> bool:
+        self.num_waits += 1
+        return True
+
+
+def test_receive_waits_for_completion_not_for_wait():
+    never = NcclLikeWork(None)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        wait_all([NcclLikeWork(t0), never], timeout=0.3)
+    assert 0.3 <= time.monotonic() - t0 < 2 and never.num_waits == 0
+    late = NcclLikeWork(time.monotonic() + 0.2)
+    wait_all([late], timeout=5)
+    assert late.is_completed() and late.num_waits == 1  # wait() after: raises a failure
 
 
 def test_specs_are_validated_before_anything_else():
@@ -213,19 +240,25 @@ state = load_file(ckpt + "/model.safetensors")
 print("ready", flush=True)  # imports done: the join below is quick
 pg = create_group("gloo", "127.0.0.1", port, 2, 0, "weight_update_group", 30)
 sys.stdin.readline()  # the test says go once the server's update call is in flight
+stop_at = len(state) // 2 if sys.argv[3] == "half" else int(sys.argv[3])
 for i, name in enumerate(sorted(state)):
-    dist.broadcast(state[name].contiguous(), src=0, group=pg)
-    if i == len(state) // 2:
+    if i == stop_at:  # sends nothing more: the test kills it, or leaves it stalled
         print("half", flush=True)
         time.sleep(600)
+    dist.broadcast(state[name].contiguous(), src=0, group=pg)
 """
 
 
-@pytest.mark.parametrize("how", ["killed", "stalled"])
-def test_trainer_that_dies_mid_broadcast(urls, ckpts, how):
+@pytest.mark.parametrize(
+    "how, stop_at", [("killed", "half"), ("stalled", "half"), ("silent", "0")]
+)
+def test_trainer_that_dies_mid_broadcast(urls, ckpts, how, stop_at):
+    """killed: the connection drops half-way; stalled: half sent, then nothing; silent: the
+    trainer joins the group and never sends. Each fails the call within the receive timeout,
+    with the weights unchanged."""
     url, new = urls[1], ckpts["seed2"]
     before, port = checksums(url), free_port()
-    cmd = [sys.executable, "-c", TRAINER, str(port), str(new)]
+    cmd = [sys.executable, "-c", TRAINER, str(port), str(new), stop_at]
     trainer = subprocess.Popen(cmd, stdin=PIPE, stdout=PIPE, text=True, cwd=REPO_ROOT)
     try:
         assert trainer.stdout.readline().strip() == "ready"

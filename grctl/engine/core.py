@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from grctl.engine.device import bind_thread
 from grctl.engine.executor import Executor
 from grctl.engine.memory import MemorySaver
 from grctl.engine.model_runner import ModelRunner
@@ -92,6 +93,7 @@ class EngineCore:
         from grctl.engine.cuda_graphs import DecodeGraphs
 
         try:
+            bind_thread(self.device)  # the capture stream and pool belong to the model's device
             self.runner.graphs = DecodeGraphs(self.model, self.device)
         except Exception as exc:  # serve eagerly rather than not at all
             log.exception("CUDA graph capture failed; decode runs eagerly")
@@ -113,6 +115,7 @@ class EngineCore:
         return self._thread is not None and self._thread.is_alive()
 
     def _worker(self) -> None:
+        bind_thread(self.device)  # a new thread starts on cuda:0 whatever the model's device
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._stopping or self._has_work(), timeout=1.0)

@@ -12,6 +12,7 @@ graph replayed after a weight update reads the new values.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from functools import partial
 
@@ -25,6 +26,7 @@ Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
 
 
 def capture_cuda_graph(piece: Callable[[], None], pool) -> torch.cuda.CUDAGraph:
+    # The caller holds torch.cuda.device(model's device): the stream and the graph live there.
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up outside capture (lazy init, kernel selection)
@@ -112,11 +114,14 @@ class DecodeGraphs:
         capture: Callable = capture_cuda_graph,
     ):
         is_cuda = device.type == "cuda"
-        pool = torch.cuda.graph_pool_handle() if is_cuda else None
         self.buckets: dict[int, _Bucket] = {}
         self.num_replays = 0
         self._capture = capture
-        with torch.inference_mode():
+        # Capture on the model's device whatever this thread's current device is (a capture
+        # stream on cuda:0 would record nothing of a model on cuda:1).
+        on_device = torch.cuda.device(device) if is_cuda else contextlib.nullcontext()
+        with on_device, torch.inference_mode():
+            pool = torch.cuda.graph_pool_handle() if is_cuda else None
             for rows in sorted(buckets, reverse=True):  # largest first: smaller ones reuse pool
                 self.buckets[rows] = _Bucket(model, rows, device, pool, capture)
         if is_cuda:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from grctl.engine.device import synchronize
 from grctl.engine.model_config import ModelConfig
 from grctl.errors import GrctlError, WeightValidationError
 from grctl.weights.mapping import resolve
@@ -201,8 +202,8 @@ def copy(
             f"{current!r}): {exc}",
             hint="the server refuses to generate until a later update succeeds",
         ) from exc
-    if any(w.dst.is_cuda for w in writes):
-        torch.cuda.synchronize()
+    # The copies ran on each parameter's device; the reply may let the client reuse its buffer.
+    synchronize(w.dst.device for w in writes)
     return done
 
 

@@ -2,9 +2,9 @@
 
 An update is validated whole (names, dtypes, shapes against the live model) before this rank
 joins any collective, so a refused request leaves the group's collective sequence intact.
-Tensors are received into fresh buffers outside the engine's exclusive section: a trainer that
-dies mid-broadcast fails the call (a dropped connection, or the receive timeout) with the live
-weights unchanged. Only then does WeightUpdater copy them in.
+Tensors are received into fresh buffers outside the engine's exclusive section, and the call
+waits until the transfer has completed (polled against GR_DIST_TIMEOUT_S): a trainer that dies
+or stalls mid-broadcast, or never sends, fails the call with the live weights unchanged. Only then does WeightUpdater copy them in.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-from datetime import timedelta
+import time
 
 import torch
 import torch.distributed as dist
@@ -70,8 +70,29 @@ def split_bucket(flat: torch.Tensor, specs: list[TensorSpec]) -> list[torch.Tens
     return out
 
 
+def wait_all(works: list, timeout: float) -> None:
+    """Return once every collective in `works` has finished, or raise TimeoutError at the deadline.
+
+    NCCL's `Work.wait()` does not wait for the transfer: it only makes the current stream wait
+    for it and returns at once, so the copy into the live weights would queue behind the whole
+    broadcast inside the exclusive section, and a trainer dying mid-way would leave a partial
+    buffer reported as received. `is_completed()` is true only once the collective is over (or
+    failed) on every backend; `wait()` afterwards raises the collective's error if it had one.
+    """
+    deadline = time.monotonic() + timeout
+    pause = 0.0002
+    while not all(w.is_completed() for w in works):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the broadcast did not complete within {timeout:g} s")
+        time.sleep(pause)
+        pause = min(2 * pause, 0.01)
+    for w in works:
+        w.wait()
+
+
 def receive(group: Group, specs: list[TensorSpec], load_format: str | None, device) -> list:
-    """Post every receive in `specs` order (one flat uint8 one for a bucket), wait for all."""
+    """Post every receive in `specs` order (one flat uint8 one for a bucket); return once all
+    of them have arrived (see wait_all), before the caller enters the exclusive section."""
     if not specs:
         return []
     if load_format == "flattened_bucket":
@@ -80,8 +101,7 @@ def receive(group: Group, specs: list[TensorSpec], load_format: str | None, devi
     else:
         buffers = tensors = [torch.empty(s.shape, dtype=s.dtype, device=device) for s in specs]
     works = [dist.broadcast(b, src=0, group=group.pg, async_op=True) for b in buffers]
-    for w in works:
-        w.wait(timeout=timedelta(seconds=timeout_s()))
+    wait_all(works, timeout_s())
     return tensors if tensors is not None else split_bucket(flat, specs)
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from grctl.engine.device import bind_thread
 from grctl.weights import apply
 from grctl.weights.apply import WeightCopyError, Write
 
@@ -67,6 +68,8 @@ class WeightUpdater:
     ) -> UpdateOutcome:
         """Validate (no engine hold), then copy inside the engine's exclusive section."""
         t0 = time.perf_counter()
+        # A handler thread: receives, rebuilt IPC tensors and copies go to the model's device.
+        bind_thread(next(self.model.parameters()).device)
         with self._lock:
             writes = validate()
             with self.engine.exclusive(abort_all_requests) as num_aborted:
