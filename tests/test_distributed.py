@@ -249,9 +249,7 @@ for i, name in enumerate(sorted(state)):
 """
 
 
-@pytest.mark.parametrize(
-    "how, stop_at", [("killed", "half"), ("stalled", "half"), ("silent", "0")]
-)
+@pytest.mark.parametrize("how, stop_at", [("killed", "half"), ("stalled", "half"), ("silent", "0")])
 def test_trainer_that_dies_mid_broadcast(urls, ckpts, how, stop_at):
     """killed: the connection drops half-way; stalled: half sent, then nothing; silent: the
     trainer joins the group and never sends. Each fails the call within the receive timeout,

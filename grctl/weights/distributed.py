@@ -4,7 +4,8 @@ An update is validated whole (names, dtypes, shapes against the live model) befo
 joins any collective, so a refused request leaves the group's collective sequence intact.
 Tensors are received into fresh buffers outside the engine's exclusive section, and the call
 waits until the transfer has completed (polled against GR_DIST_TIMEOUT_S): a trainer that dies
-or stalls mid-broadcast, or never sends, fails the call with the live weights unchanged. Only then does WeightUpdater copy them in.
+or stalls mid-broadcast, or never sends, fails the call with the live weights unchanged. Only
+then does WeightUpdater copy them in.
 """
 
 from __future__ import annotations
