@@ -9,6 +9,7 @@ runs, with the median beside it. Prints one JSON object: per width the latencies
 whether the top sequences agree; then the throughput of concurrent requests of the widest beam.
 
     python bench/bench_generate.py [--preset cpu|gpu] [--repeats 5] [--dtype float32]
+    python bench/bench_generate.py --decode-cost 2048 [--repeats 3]
 """
 
 from __future__ import annotations
@@ -134,11 +135,53 @@ def request(ids: list[int], width: int) -> GenerateRequest:
     return GenerateRequest(tuple(ids), SamplingParams(max_new_tokens=NEW_TOKENS, n=width))
 
 
+def decode_cost(engine: Engine, vocab: int, prompt_len: int, repeats: int) -> dict:
+    """What decoding adds to prefill (grctl alone): one beam-256 request against the same prompt
+    at beam 1, and 8 concurrent beam-64 requests against their 8 prefills alone (1 new token,
+    which comes from the prefill). Targets on the CPU: at most 1.2x and 1.1x."""
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, vocab, (prompt_len,), generator=gen).tolist() for _ in range(8)]
+
+    def burst(width: int, new_tokens: int) -> None:
+        sp = SamplingParams(max_new_tokens=new_tokens, n=width)
+        for rid in [engine.submit(GenerateRequest(tuple(p), sp)) for p in prompts]:
+            engine.result(rid)
+
+    times, _ = interleaved(
+        {
+            "beam_1": lambda: engine.generate(request(prompts[0], 1)),
+            "beam_256": lambda: engine.generate(request(prompts[0], 256)),
+            "prefill_x8": lambda: burst(64, 1),
+            "beam_64_x8": lambda: burst(64, NEW_TOKENS),
+        },
+        repeats,
+    )
+    best = {name: min(t["wall"]) for name, t in times.items()}
+    cpu = {name: min(t["cpu"]) for name, t in times.items()}
+    return {
+        "prompt_tokens": prompt_len,
+        "ms": {name: round(s * 1e3, 1) for name, s in best.items()},
+        "cpu_ms": {name: round(s * 1e3, 1) for name, s in cpu.items()},
+        "beam_256_over_beam_1": round(best["beam_256"] / best["beam_1"], 3),
+        "beam_64_x8_over_prefill_x8": round(best["beam_64_x8"] / best["prefill_x8"], 3),
+        "cpu_time_ratios": [
+            round(cpu["beam_256"] / cpu["beam_1"], 3),
+            round(cpu["beam_64_x8"] / cpu["prefill_x8"], 3),
+        ],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: the preset's")
+    parser.add_argument(
+        "--decode-cost",
+        type=int,
+        metavar="PROMPT",
+        help="only measure what decoding adds to prefill at this prompt length (grctl alone)",
+    )
     args = parser.parse_args()
     preset = PRESETS[args.preset]
     shape, device, width_max = preset["shape"], preset["device"], max(preset["widths"])
@@ -147,6 +190,11 @@ def main() -> None:
     hf, ours = build(shape, getattr(torch, dtype), device)
     engine = Engine(ours, EngineConfig(device=device, max_new_tokens=NEW_TOKENS))
     engine.start()
+    if args.decode_cost:
+        result = decode_cost(engine, shape["vocab_size"], args.decode_cost, args.repeats)
+        engine.stop()
+        print(json.dumps({"preset": args.preset, "dtype": dtype, **result}, indent=2))
+        return
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, shape["vocab_size"], (preset["prompt_len"],), generator=gen).tolist()
     report: dict = {

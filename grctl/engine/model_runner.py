@@ -3,8 +3,8 @@
 Prefill packs the prompts of a batch into one token stream, so every projection and MLP matmul
 runs once over all of them; attention runs per prompt. Only the last token's logits are needed,
 so the last layer computes k and v for every token but q, attention and the MLP for the last
-token alone. Decode runs one token for every beam of every request in one batch of rows; attention
-loops over requests (each reading its shared context once for all of its beams).
+token alone. Decode runs one token for every beam of every request in one batch of rows; its
+attention is a fixed number of calls per layer whatever the number of requests (decode_batch.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from grctl.engine.attention import decode_attention, prefill_attention
+from grctl.engine.attention import prefill_attention
+from grctl.engine.decode_batch import DecodeBatch
 from grctl.engine.kv_cache import BeamKV, ContextKV
 from grctl.engine.qwen3 import Qwen3ForCausalLM, rope_cos_sin
 
@@ -89,39 +90,22 @@ class ModelRunner:
         positions = torch.cat(
             [torch.full((it.beam_kv.num_beams,), it.ctx.length + it.step) for it in items]
         ).to(self.device, non_blocking=True)
+        batch = DecodeBatch(items, self.config, self.device)
         if self.graphs is not None and self.graphs.fits(ids.shape[0]):
-            return self.graphs.run(
-                ids, positions, lambda i, q, k, v, out: self.attend(i, items, q, k, v, out)
+            logits = self.graphs.run(
+                ids, positions, lambda i, q, k, v, out: _into(out, batch.attend(i, q, k, v))
             )
-        cos, sin = self._rope(positions)
-        h = self.model.embed_tokens(ids)  # [beams, hidden]
-        for i, layer in enumerate(self.model.layers):
-            q, k, v = layer.pre_attention(h, cos, sin)
-            h = layer.post_attention(h, self.attend(i, items, q, k, v))
-        return self.model.logits(h)
+        else:
+            cos, sin = self._rope(positions)
+            h = self.model.embed_tokens(ids)  # [beams, hidden]
+            for i, layer in enumerate(self.model.layers):
+                q, k, v = layer.pre_attention(h, cos, sin)
+                h = layer.post_attention(h, batch.attend(i, q, k, v))
+            logits = self.model.logits(h)
+        batch.finish()
+        return logits
 
-    def attend(
-        self,
-        layer: int,
-        items: list[DecodeItem],
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Attention of layer `layer` for all rows: q [rows, H, D], k and v [rows, KV, D].
 
-        Writes into `out` [>= rows, H * D] when given (a CUDA graph's static buffer)."""
-        outs = []
-        row = 0
-        for it in items:
-            n = it.beam_kv.num_beams
-            it.beam_kv.write(layer, it.step, k[row : row + n], v[row : row + n])
-            bk, bv = it.beam_kv.keys(layer, it.step + 1)
-            o = decode_attention(q[row : row + n], it.ctx.k[layer], it.ctx.v[layer], bk, bv)
-            if out is not None:
-                out[row : row + n] = o
-            else:
-                outs.append(o)
-            row += n
-        return out if out is not None else torch.cat(outs)
+def _into(out: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    out[: attn.shape[0]] = attn  # a CUDA graph's static buffer [bucket, H * D]
+    return out
