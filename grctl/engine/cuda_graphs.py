@@ -18,7 +18,8 @@ from functools import partial
 
 import torch
 
-from grctl.engine.qwen3 import Qwen3ForCausalLM, rope_cos_sin
+from grctl.engine.qwen3 import Qwen3ForCausalLM
+from grctl.engine.rope import rope_cos_sin
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # attend(layer, q [rows, H, D], k [rows, KV, D], v [rows, KV, D], out [bucket, H * D])
@@ -78,7 +79,7 @@ class _Bucket:
         self.h.copy_(self.model.layers[i].post_attention(self.h, self.attn))
 
     def _first(self) -> None:
-        cos, sin = rope_cos_sin(self.positions, self.cos.shape[-1], self.model.config.rope_theta)
+        cos, sin = rope_cos_sin(self.positions, self.model.config)
         self.cos.copy_(cos)
         self.sin.copy_(sin)
         self.h.copy_(self.model.embed_tokens(self.ids))

@@ -6,6 +6,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from grctl.engine.rope import RopeScaling
 from grctl.errors import ValidationError
 
 # The fields that must match for a checkpoint to be loadable into a running model.
@@ -36,6 +37,7 @@ class ModelConfig:
     max_position_embeddings: int = 40960
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
+    rope: RopeScaling = RopeScaling()  # rope_parameters / rope_scaling
 
     @property
     def q_size(self) -> int:
@@ -72,6 +74,7 @@ class ModelConfig:
             rope_theta = raw.get("rope_theta")
             if rope_theta is None:  # transformers 5 nests it under rope_parameters
                 rope_theta = (raw.get("rope_parameters") or {}).get("rope_theta", 1_000_000.0)
+            max_positions = int(raw.get("max_position_embeddings", 40960))
             return cls(
                 num_layers=int(raw["num_hidden_layers"]),
                 hidden_size=hidden,
@@ -83,9 +86,10 @@ class ModelConfig:
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(rope_theta),
-                max_position_embeddings=int(raw.get("max_position_embeddings", 40960)),
+                max_position_embeddings=max_positions,
                 eos_token_ids=eos_ids,
                 torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+                rope=RopeScaling.from_hf(raw, max_positions),
             )
         except KeyError as exc:
             raise ValidationError(f"config.json lacks required key {exc.args[0]!r}") from exc
@@ -112,6 +116,8 @@ class ModelConfig:
             "attention_bias": False,
             "torch_dtype": self.torch_dtype or "float32",
         }
+        if self.rope.to_hf() is not None:  # transformers 5 reads both keys
+            out["rope_scaling"] = self.rope.to_hf()
         if self.eos_token_ids:
             ids = list(self.eos_token_ids)
             out["eos_token_id"] = ids[0] if len(ids) == 1 else ids

@@ -16,7 +16,8 @@ import torch
 from grctl.engine.attention import prefill_attention
 from grctl.engine.decode_batch import DecodeBatch
 from grctl.engine.kv_cache import BeamKV, ContextKV
-from grctl.engine.qwen3 import Qwen3ForCausalLM, rope_cos_sin
+from grctl.engine.qwen3 import Qwen3ForCausalLM
+from grctl.engine.rope import rope_cos_sin
 
 
 @dataclass
@@ -37,8 +38,10 @@ class ModelRunner:
         self.dtype = model.embed_tokens.weight.dtype
         self.graphs = None  # a DecodeGraphs when decode runs through CUDA graphs
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+    def _rope(
+        self, positions: torch.Tensor, seq_lens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = rope_cos_sin(positions, self.config, seq_lens)
         return cos.to(self.dtype), sin.to(self.dtype)
 
     @torch.inference_mode()
@@ -52,7 +55,9 @@ class ModelRunner:
         ids = torch.cat(prompts).to(dev, non_blocking=True)
         positions = torch.cat([torch.arange(n) for n in lens]).to(dev, non_blocking=True)
         last = torch.tensor([e - 1 for _, e in bounds], device=dev)
-        cos, sin = self._rope(positions)
+        # a prompt's tokens are computed in one call of its length (dynamic RoPE reads it)
+        seq_lens = torch.cat([torch.full((n,), n) for n in lens]).to(dev, non_blocking=True)
+        cos, sin = self._rope(positions, seq_lens)
         ks: list[list[torch.Tensor]] = [[] for _ in prompts]
         vs: list[list[torch.Tensor]] = [[] for _ in prompts]
         h = model.embed_tokens(ids)  # [tokens, hidden]

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from grctl.engine.model_config import ModelConfig
+from grctl.engine.rope import rope_cos_sin
 
 
 class RMSNorm(nn.Module):
@@ -27,22 +28,6 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
-
-
-def rope_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin for `positions` (any shape) -> [..., head_dim], in float32."""
-    inv_freq = 1.0 / (
-        theta
-        ** (
-            torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.int64).float()
-            / head_dim
-        )
-    )
-    freqs = positions.float()[..., None] * inv_freq  # [..., head_dim/2]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -184,8 +169,9 @@ class Qwen3ForCausalLM(nn.Module):
         if positions is None:
             positions = torch.arange(past, past + input_ids.shape[1], device=input_ids.device)
             positions = positions.expand(input_ids.shape[0], -1)
-        cfg = self.config
-        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
+        # transformers' dynamic RoPE sizes its frequencies by the call's longest position
+        seq_lens = torch.full_like(positions, int(positions.max()) + 1)
+        cos, sin = rope_cos_sin(positions, self.config, seq_lens)
         h = self.embed_tokens(input_ids)
         kv_out = []
         for i, layer in enumerate(self.layers):
