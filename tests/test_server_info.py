@@ -59,6 +59,7 @@ def test_server_info(http, path):
     assert body["tp_size"] == body["dp_size"] == body["pp_size"] == body["ep_size"] == 1
     assert body["enable_memory_saver"] is False
     assert body["model_path"] and body["weight_version"] == "default"
+    assert body["device"] == "cpu" and body["gpu_uuid"] is None  # a UUID names a GPU only
 
 
 @pytest.mark.parametrize("path", ["/model_info", "/get_model_info"])

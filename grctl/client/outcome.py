@@ -19,6 +19,7 @@ class ServerOutcome:
     old_version: str | None = None
     weight_version: str | None = None  # what the server reported at the end, when known
     device: str = ""
+    gpu_uuid: str | None = None
     dtype: str = ""
     failed_stage: str | None = None  # one of STAGES
     error: str | None = None

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from grctl.client.http import GRClient
+from grctl.client.http import ClientTimeout, GRClient
 from grctl.client.outcome import ServerOutcome
-from grctl.client.staging import BucketPlan, StagedBucket, stage
+from grctl.client.staging import BucketPlan, StagedBucket, release_unclaimed, stage
 from grctl.weights.checkpoint import Checkpoint
 
 
@@ -37,13 +37,21 @@ InFlight = tuple[StagedBucket, list[tuple[Target, Future]]]
 
 
 def send(target: Target, bucket: StagedBucket, opts: PushOptions, is_last: bool):
-    return target.client.update_weights_from_tensor(
-        [bucket.payload()],  # a fresh serialization per server (see StagedBucket.payload)
-        load_format="flattened_bucket",
-        weight_version=opts.weight_version,
-        token_step=opts.token_step,
-        flush_cache=opts.flush_at_end and is_last,
-    )
+    payload, shares = bucket.payload_and_shares()  # fresh per server (see StagedBucket.payload)
+    try:
+        return target.client.update_weights_from_tensor(
+            [payload],
+            load_format="flattened_bucket",
+            weight_version=opts.weight_version,
+            token_step=opts.token_step,
+            flush_cache=opts.flush_at_end and is_last,
+        )
+    except ClientTimeout:  # the server may still be reading the bucket: leave its shares be
+        shares = []
+        raise
+    finally:
+        if shares:  # a CUDA bucket the server refused before rebuilding it
+            release_unclaimed(shares)
 
 
 def settle(flight: InFlight, num_buckets: int) -> list[Target]:

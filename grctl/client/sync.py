@@ -141,7 +141,7 @@ class WeightSync:
     def _connect(self, out: ServerOutcome) -> None:
         info = self.clients[out.url].server_info()
         out.old_version = out.weight_version = info.weight_version
-        out.device, out.dtype = info.device, info.dtype
+        out.device, out.dtype, out.gpu_uuid = info.device, info.dtype, info.gpu_uuid
 
     def _push(self, result: SyncResult, checkpoint, version, token_step) -> None:
         t0 = time.perf_counter()
@@ -163,11 +163,12 @@ class WeightSync:
             out.timings.setdefault("push", result.timings["push"])  # tensor chunks go to all
 
     def _push_tensors(self, result: SyncResult, checkpoint, opts: PushOptions) -> None:
-        """One staging per (device, served dtype); servers sharing it read the same buckets."""
+        """One staging per (local device, served dtype): servers on the same GPU read the same
+        buckets; servers on other GPUs of this machine get their own, staged on their GPU."""
         groups: dict[tuple, list[ServerOutcome]] = {}
         for out in (o for o in result.servers if o.ok):
             try:
-                device = staging.stage_device(out.device, self.stage_device)
+                device = staging.stage_device(out.device, self.stage_device, out.gpu_uuid)
             except GrctlError as exc:
                 out.fail("push", exc)
                 continue

@@ -10,6 +10,7 @@ from litestar.enums import MediaType
 from litestar.params import Parameter
 
 import grctl
+from grctl.engine.device import gpu_uuid
 from grctl.engine.request import GenerateRequest, SamplingParams
 from grctl.errors import CacheBusy, GrctlError, NotReady
 from grctl.server.metrics import numeric_gauges, split_series
@@ -104,6 +105,7 @@ async def server_info(state: State) -> ServerInfo:
         model_path=state.model_path,
         weight_version=state.engine.weight_version,
         device=str(param.device),
+        gpu_uuid=gpu_uuid(param.device),
         dtype=str(param.dtype).removeprefix("torch."),
         served_model_name=served_model_name(state),
         enable_memory_saver=state.config.enable_memory_saver,

@@ -162,6 +162,7 @@ class ServerInfo(Struct, kw_only=True):
     enable_memory_saver: bool = False
     disaggregation_mode: str = "null"
     device: str = "cpu"
+    gpu_uuid: str | None = None  # names the GPU under any CUDA_VISIBLE_DEVICES; null off CUDA
     dtype: str = "float32"
     served_model_name: str = ""
     context_length: int = 0

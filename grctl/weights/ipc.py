@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
+import contextvars
 import io
 import math
 import os
 import pickle
 import sys
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, fields
 from multiprocessing.reduction import ForkingPickler
 
@@ -87,8 +89,28 @@ class LocalSerializedTensor:
 # ---- sending -------------------------------------------------------------------------------
 
 
+# Each CUDA share gets a reference counter (a slot in a shared-memory file) set to 1, which the
+# receiver decrements when it lets the tensor go; the block stays allocated until then.
+# recording_cuda_shares() collects the (file, slot) of the shares made inside it.
+_cuda_shares: contextvars.ContextVar[list | None] = contextvars.ContextVar("shares", default=None)
+_REF_COUNTER_ARGS = slice(11, 13)  # ref_counter_handle, ref_counter_offset in those arguments
+
+
+@contextlib.contextmanager
+def recording_cuda_shares() -> Iterator[list[tuple[bytes, int]]]:
+    shares: list[tuple[bytes, int]] = []
+    token = _cuda_shares.set(shares)
+    try:
+        yield shares
+    finally:
+        _cuda_shares.reset(token)
+
+
 def _reduce_tensor(tensor: torch.Tensor):
     rebuild, args = reductions.reduce_tensor(tensor)
+    shares = _cuda_shares.get()
+    if rebuild is reductions.rebuild_cuda_tensor and shares is not None:
+        shares.append(tuple(args[_REF_COUNTER_ARGS]))
     if rebuild is reductions.rebuild_cuda_tensor and type(args[CUDA_DEVICE_ARG]) is int:
         # The receiver may number this GPU differently (CUDA_VISIBLE_DEVICES): send its UUID.
         uuid = cuda_device_uuid(args[CUDA_DEVICE_ARG])
