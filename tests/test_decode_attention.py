@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 
 from grctl.engine import attention
+from grctl.engine.config import EngineConfig
 from grctl.engine.decode_batch import DecodeBatch
-from grctl.engine.engine import Engine, EngineConfig
+from grctl.engine.engine import Engine
 from grctl.engine.kv_cache import BeamKV, ContextKV
 from grctl.engine.model_config import ModelConfig
 from grctl.engine.model_runner import DecodeItem

@@ -103,7 +103,7 @@ def test_rope_scaling_matches_transformers(kind, field):
             DecodeItem(c, kv, f[step : step + 1], step)
             for c, kv, f in zip(ctxs, kvs, fed, strict=True)
         ]
-        steps.append(runner.decode(items))
+        steps.append(torch.log_softmax(runner.decode(items), -1))  # decode returns logits
     for step, got in enumerate(steps):
         want = torch.stack([r[step] for r in refs])
         assert (got - want).abs().max() < TOL, (kind, step, (got - want).abs().max())
