@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from grctl.engine.device import bind_thread
 from grctl.errors import MemoryReleased, ValidationError
 
 TAGS = ("kv_cache", "weights", "cuda_graph")
@@ -53,6 +54,7 @@ class MemorySaver:
 
     # ---- release ------------------------------------------------------------------------
     def release(self, engine, tags: tuple[str, ...]) -> None:
+        bind_thread(engine.device)  # a handler thread: copies and frees on the model's device
         todo = [t for t in tags if t not in self.released]
         if "cuda_graph" in todo or "weights" in todo:
             self._drop_graphs(engine.runner)
@@ -82,6 +84,7 @@ class MemorySaver:
 
     # ---- resume -------------------------------------------------------------------------
     def resume(self, engine, tags: tuple[str, ...]) -> None:
+        bind_thread(engine.device)
         todo = [t for t in tags if t in self.released]
         if "weights" in todo:
             self._restore_weights()
