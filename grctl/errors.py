@@ -1,6 +1,6 @@
 """The error family shared by the engine, the server, the client and the CLI.
 
-Each class carries the wire code, HTTP status and retryable flag of protocol.md, so the server
+Each class carries the wire code, HTTP status and retryable flag of docs/http-api.md, so the server
 maps any GrctlError to the error shape in one place and the client raises the same class back.
 """
 

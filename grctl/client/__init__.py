@@ -8,7 +8,7 @@
     with WeightSync(["http://a:8000", "http://b:8000"], verify=True) as sync:
         result = sync.run("/ckpt/step_7", weight_version=7)
 
-GRClient / AsyncGRClient: one typed method per route of protocol.md. WeightSync: pause ->
+GRClient / AsyncGRClient: one typed method per route of docs/http-api.md. WeightSync: pause ->
 flush -> push (tensor buckets or a disk path) -> continue -> verify, on one server or a fleet.
 """
 

@@ -1,4 +1,4 @@
-"""GRClient and AsyncGRClient: the routes of protocol.md over httpx.
+"""GRClient and AsyncGRClient: the routes of docs/http-api.md over httpx.
 
     with GRClient("http://127.0.0.1:8000", api_key="k") as gr:
         gr.pause_generation()

@@ -1,4 +1,4 @@
-"""One method per route of protocol.md, shared by GRClient and AsyncGRClient.
+"""One method per route of docs/http-api.md, shared by GRClient and AsyncGRClient.
 
 Each method only describes its call (a `Call`: method, path, body, how to read the reply); the
 subclass's `_call` sends it. GRClient's methods return the result; AsyncGRClient's return an

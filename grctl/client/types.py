@@ -1,4 +1,4 @@
-"""What the client returns: one msgspec Struct per reply of protocol.md.
+"""What the client returns: one msgspec Struct per reply of docs/http-api.md.
 
 Every field has a default, so the same Structs read replies from grctl and from SGLang itself
 (which omits grctl's extra keys); unknown keys are ignored. No `from __future__ import

@@ -1,4 +1,4 @@
-"""One place that turns every exception into protocol.md's error shape.
+"""One place that turns every exception into docs/http-api.md's error shape.
 
 `{"error": {"code", "message", "retryable", "status"}}`. A route handler whose `opt` holds
 `sglang_errors=True` (the weight-update routes) also gets `"success": false` and `"message"` at

@@ -1,4 +1,4 @@
-"""Weight broadcast routes (protocol.md "Weight sync"): a trainer's process group, its updates.
+"""Weight broadcast routes (docs/http-api.md "Weight sync"): a trainer's process group, its updates.
 
 Each blocking call (the group join waits for the trainer; an update waits for its broadcast) runs
 in a worker thread, so the event loop keeps serving while a trainer is slow or gone. The groups

@@ -1,4 +1,4 @@
-"""Weight-sync routes (protocol.md "Weight sync"), off unless --allow-weight-update.
+"""Weight-sync routes (docs/http-api.md "Weight sync"), off unless --allow-weight-update.
 
 Handlers stay thin: parse a Struct, call the engine or the WeightUpdater (app.state.updater) in a
 worker thread, return a Struct. The routes sit on one Router that carries the

@@ -1,4 +1,4 @@
-"""msgspec Structs for every serving body (protocol.md "Serving").
+"""msgspec Structs for every serving body (docs/http-api.md "Generation").
 
 Request bodies ignore unknown keys (msgspec's default) and Litestar converts them with
 strict=False, so "3" is read as 3 where an int is expected. A missing body is `None` in the

@@ -1,4 +1,4 @@
-"""msgspec Structs for the weight-sync bodies (protocol.md "Weight sync").
+"""msgspec Structs for the weight-sync bodies (docs/http-api.md "Weight sync").
 
 Unknown keys are ignored; Litestar converts with strict=False, so "7" is read where an int is
 expected. `weight_version` arrives as int or str and is kept as a str.
