@@ -236,8 +236,8 @@ def refuse_custom_loader(load_format: str | None) -> None:
         raise ValidationError(
             f"load_format {load_format!r} names a custom weight loader (verl's delta sync sends "
             "one); grctl does not run loaders named in a request",
-            hint="send full tensors: load_format null (a [(name, tensor)] list), 'direct' or "
-            "'flattened_bucket' (in verl, turn delta weight sync off)",
+            hint="send full tensors with load_format null, 'direct' or 'flattened_bucket'; "
+            "in verl, turn delta weight sync off",
         )
 
 
