@@ -42,7 +42,7 @@ class Trie:
         parent_of_row = np.zeros(num_items, np.int64)  # each sorted row's node at depth d - 1
         terminal = np.zeros(num_items, np.int64)
         parents, tokens, depth_starts = [], [], [1]
-        shadowed = np.zeros(num_items, bool)
+        through: list[tuple[int, np.ndarray]] = []
         num_nodes = 1
         for d in range(depth):
             col = sorted_paths[:, d]
@@ -58,9 +58,8 @@ class Trie:
             parent_of_row = np.where(has, node, 0)
             num_nodes += first.size
             depth_starts.append(num_nodes)
-            # a longer path through a node where another item ends (checked once all are known)
             if d + 1 < depth:
-                shadowed |= (sorted_lens > d + 1) & np.isin(node, terminal[ends]) & has
+                through.append((d, node))  # to find longer paths through an item's node
         parent = np.concatenate(parents)  # [nodes - 1], non-decreasing: edge e -> node e + 1
         child_offsets = np.searchsorted(parent, np.arange(num_nodes + 1)).astype(np.int32)
         child_tokens = np.concatenate(tokens).astype(np.int32)
@@ -70,6 +69,10 @@ class Trie:
         item_offsets = np.searchsorted(terminal_unsorted[item_index], np.arange(num_nodes + 1))
         item_offsets = item_offsets.astype(np.int32)
         items_per_node = np.diff(item_offsets)
+        # items whose path runs on through a node where another item ends: never reached
+        shadowed = np.zeros(num_items, bool)
+        for d, node in through:
+            shadowed |= (sorted_lens > d + 1) & (items_per_node[node] > 0)
         children_per_node = np.diff(child_offsets)
         # widest fan-out at each depth: the decode step's gather width, known without a sync
         ranges = [(0, 1)] + [(depth_starts[k - 1], depth_starts[k]) for k in range(1, depth)]
