@@ -137,6 +137,7 @@ CASES = [  # (seed, items, path lengths, collisions, width, max_new_tokens)
     (4, 12, (3,), 2, 32, 3),  # fewer valid paths than the width
     (5, 200, (2, 3), 10, 64, 3),
     (6, 50, (3, 4), 0, 8, 2),  # max_new_tokens shorter than every path: incomplete beams
+    (7, 40, (1, 2, 3), 2, 8, 1),  # one token: the first step (from the prefill) only
 ]
 
 
@@ -229,3 +230,20 @@ def test_use_catalog_false_and_mixed_batch_equal_alone(pair, tmp_path):
     assert reqs[1].sampling.use_catalog and reqs[1].sampling.n == 4
     ref = reference(hf, reqs[1].input_ids, rows, 4, 3)
     assert [b.output_ids for b in together[1].beams] == [s for s, _ in ref]
+
+
+def test_sampled_constrained_decodes_only_items(pair, tmp_path):
+    """Width 1 with temperature: seeded, reproducible, and every sample is an item."""
+    hf, ours = pair
+    rows = random_catalog(13, 25, (2, 3))
+    items = {tuple(r["token_ids"]) for r in rows}
+    eng = engine_with(ours, write_rows(tmp_path / "c.jsonl", rows))
+    ids = prompt(7, 13)
+    reqs = [
+        GenerateRequest(ids, SamplingParams(max_new_tokens=4, temperature=1.5, seed=s))
+        for s in range(12)
+    ]
+    first, again = run(eng, reqs), run(eng, reqs[:3])
+    assert all(tuple(r.output_ids) in items and r.item_results[0].is_complete for r in first)
+    assert [r.output_ids for r in again] == [r.output_ids for r in first[:3]]
+    assert len({tuple(r.output_ids) for r in first}) > 1

@@ -75,6 +75,7 @@ def test_status_generate_and_submit(served):
     assert status["loaded"] and status["num_items"] == 3000 and status["max_depth"] == 3
     assert status["source"].endswith("v1.jsonl") and status["nbytes"] > 0
     version = status["version"]
+    assert client.get("/status").json()["catalog"]["num_items"] == 3000
     meta = generate(client)
     assert meta["catalog_version"] == version and meta["finish_reason"]["type"] == "item_complete"
     check_items(meta, v1)

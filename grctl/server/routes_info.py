@@ -66,9 +66,10 @@ async def ready(state: State) -> Response[ReadyResponse]:
     return Response(body, status_code=503 if reasons else 200)
 
 
-@get("/status", summary="Scheduler, prefill cache, engine and weights state")
+@get("/status", summary="Scheduler, prefill cache, engine, weights and catalog state")
 async def status(state: State) -> dict[str, Any]:
-    return {**state.engine.status(), "weights": weights_info(state)}
+    engine = state.engine
+    return {**engine.status(), "weights": weights_info(state), "catalog": engine.catalogs.status()}
 
 
 @get(
