@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from grctl.cli import app
 from grctl.client import GRClient
 from grctl.client.types import ItemResult
-from tests.serverproc import running_server
+from tests.serverproc import free_port, running_server
 from tests.test_catalog_server import write_catalog
 from tests.test_cli_client import grctl
 
@@ -103,3 +103,10 @@ def test_status_reload_rollback_json_and_typed_client(tmp_path):
         assert out.returncode == 1 and "cannot be read" in out.stderr
         out = grctl("catalog", "status", *url)  # the table, for people
         assert out.returncode == 0 and "v1.jsonl" in out.stdout
+
+
+def test_serve_refuses_a_bad_catalog_at_start(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"item_id": 1, "token_ids": [300]}\n{"item_id": 2, "token_ids": [9999]}\n')
+    out = grctl("serve", "--port", str(free_port()), "--device", "cpu", "--catalog", str(bad))
+    assert out.returncode == 1 and "line 2: token id 9999" in out.stderr
