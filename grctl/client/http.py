@@ -71,11 +71,10 @@ def is_flush_retryable(exc: GrctlError) -> bool:
     return isinstance(exc, (CacheBusy, ClientTimeout)) or exc.status in (400, 503)
 
 
-def flush_gave_up(url: str, retries: int, last: GrctlError | None) -> CacheBusy:
-    return CacheBusy(
-        f"{url}: /flush_cache did not succeed after {retries} tries; last reply: {last}",
-        hint="raise --retries / --interval to wait longer",
-    )
+def flush_gave_up(retries: int, last: GrctlError | None) -> CacheBusy:
+    # No hint of our own: the server's last reply says what would let the flush through (pause
+    # first, or resume an in_place pause); callers name the server, so the message does not.
+    return CacheBusy(f"/flush_cache did not succeed after {retries} tries; last reply: {last}")
 
 
 def normalize_url(url: str) -> str:
@@ -155,7 +154,7 @@ class GRClient(_Base):
                 last = exc
             if attempt + 1 < retries:
                 time.sleep(interval)
-        raise flush_gave_up(self.url, retries, last)
+        raise flush_gave_up(retries, last)
 
     def close(self) -> None:
         self._http.close()
@@ -198,7 +197,7 @@ class AsyncGRClient(_Base):
                 last = exc
             if attempt + 1 < retries:
                 await asyncio.sleep(interval)
-        raise flush_gave_up(self.url, retries, last)
+        raise flush_gave_up(retries, last)
 
     async def aclose(self) -> None:
         await self._http.aclose()

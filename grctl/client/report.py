@@ -158,7 +158,7 @@ def status_view(url: str, status: Status) -> Table:
         "requests",
         f"{sched.get('num_running', 0)} running ({sched.get('running_beams', 0)} beams), "
         f"{sched.get('num_waiting', 0)} waiting; {reqs.get('succeeded', 0)} done, "
-        f"{reqs.get('aborted', 0)} aborted; latency avg {reqs.get('latency_s_avg', 0.0):.3f} s",
+        f"{reqs.get('aborted', 0)} aborted, avg {reqs.get('latency_s_avg', 0.0):.3f} s",
     )
     if cache.get("enabled"):
         facts = (
