@@ -206,10 +206,7 @@ def run_push(
     from grctl.client.sync import WeightSync
 
     def show(result) -> None:
-        if verbose:
-            console.print(report.sync_table(result))
-        else:
-            report.sync_lines(console, result)
+        (report.sync_details if verbose else report.sync_lines)(console, result)
 
     version, token_step = sync_kw.pop("weight_version", None), sync_kw.pop("token_step", None)
     transport = sync_kw.get("transport", "tensor")

@@ -93,29 +93,25 @@ def moved(result: outcome.SyncResult) -> str:
     )
 
 
-def sync_table(result: outcome.SyncResult) -> Table:
-    """--verbose: every server's buckets, bytes, tensors and each stage's seconds."""
-    table = Table(title=moved(result), title_justify="left")
-    for col in ("server", "outcome", "version", "buckets", "bytes", "tensors", "verified"):
-        table.add_column(col, overflow="fold")
-    for stage in outcome.STAGES[1:]:
-        table.add_column(f"{stage} s", justify="right")
+def sync_details(console: Console, result: outcome.SyncResult) -> None:
+    """--verbose: the summary, then every server's buckets, bytes, tensors, error and seconds
+    per stage, as a block of `key value` lines (readable at 80 columns)."""
+    sync_lines(console, result)
     for s in result.servers:
-        state = "[green]ok[/green]" if s.ok else f"[red]{s.failed_stage} failed[/red]: {s.error}"
-        version = f"{s.old_version} -> {s.weight_version}"
-        verified = {None: "-", True: "[green]yes[/green]", False: "[red]no[/red]"}[s.verified]
-        stages = [f"{s.timings[k]:.3f}" if k in s.timings else "-" for k in outcome.STAGES[1:]]
-        table.add_row(
-            s.url,
-            state,
-            version,
-            str(s.num_buckets),
-            fmt_bytes(s.num_bytes),
-            str(s.num_tensors),
-            verified,
-            *stages,
-        )
-    return table
+        table = Table(box=None, show_header=False, title=s.url, title_justify="left")
+        table.add_column("key", style="bold")
+        table.add_column("value", overflow="fold")
+        failed = f"[red]{s.failed_stage} failed[/red] ({s.error}); {s.left_as()}"
+        table.add_row("outcome", "[green]ok[/green]" if s.ok else failed)
+        table.add_row("version", f"{s.old_version} -> {s.weight_version}")
+        table.add_row("device", f"{s.device} {s.dtype}")
+        moved = f"{s.num_buckets} bucket(s), {fmt_bytes(s.num_bytes)}, {s.num_tensors} tensors"
+        table.add_row("applied", moved)
+        verified = {None: "not checked", True: "every tensor's sha256 matches", False: "NO"}
+        table.add_row("verified", verified[s.verified] + "".join(f"\n{m}" for m in s.mismatches))
+        stages = ", ".join(f"{k} {s.timings[k]:.3f}" for k in outcome.STAGES if k in s.timings)
+        table.add_row("seconds", stages)
+        console.print(table)
 
 
 def replies_table(title: str, rows: list[tuple[str, Any]]) -> Table:
