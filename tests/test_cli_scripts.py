@@ -109,13 +109,21 @@ def test_push_summary_json_and_failures(servers, tiny_checkpoint):
                 "--bucket-mb", "0.05", "--weight-version", "j1")  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert max(map(len, out.stdout.splitlines())) <= 80, out.stdout
-    assert "1 of 1 server(s) ok" in out.stdout and "GB/s" in out.stdout
+    assert "1 of 1 server(s) ok" in out.stdout and "MB/s)" in out.stdout  # a tiny push
     assert "default -> j1" in out.stdout and "verified" in out.stdout
+    assert len(out.stdout.splitlines()) <= 3  # the headline (wrapped at 80), one server row
 
     out = grctl("push", "--checkpoint", str(tiny_checkpoint), "--url", guarded.url, *key,
-                "--transport", "disk", "--weight-version", "j2")  # fmt: skip
+                "--weight-version", "j1", "--verbose")  # fmt: skip
     assert out.returncode == 0, out.stderr
-    assert "0 B" not in out.stdout and "GB/s" not in out.stdout
+    assert max(map(len, out.stdout.splitlines())) <= 80, out.stdout
+    assert "every tensor's sha256 matches" in out.stdout and "verify 0." in out.stdout
+
+    out = grctl("push", "--checkpoint", str(tiny_checkpoint), "--url", guarded.url, *key,
+                "--transport", "disk", "--weight-version", "j2", "--verbose")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "0 B" not in out.stdout and "B/s" not in out.stdout
+    assert "tensors, read by the server" in out.stdout
     assert "the servers read" in out.stdout and "tensors from" in out.stdout
 
     out = grctl("push", "--checkpoint", str(tiny_checkpoint), "--url", guarded.url, *key,

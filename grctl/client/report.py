@@ -57,6 +57,13 @@ def fmt_bytes(n: int) -> str:
     return str(n)
 
 
+def fmt_rate(bytes_per_s: float) -> str:
+    """GB/s as the benchmarks report it, MB/s below 1 GB/s (no `0.00 GB/s` for small pushes)."""
+    if bytes_per_s >= 1e9:
+        return f"{bytes_per_s / 1e9:.2f} GB/s"
+    return f"{bytes_per_s / 1e6:.1f} MB/s"
+
+
 def sync_lines(console: Console, result: outcome.SyncResult) -> None:
     """The push summary that fits 80 columns: a headline, what moved, one row per server."""
     num_ok = sum(s.ok for s in result.servers)
@@ -89,7 +96,7 @@ def moved(result: outcome.SyncResult) -> str:
         return f"the servers read {tensors} tensors from {result.checkpoint} in {push_s:.2f} s"
     return (
         f"{result.num_buckets} bucket(s), {fmt_bytes(result.num_bytes)} in {push_s:.2f} s"
-        f" ({result.push_gbps:.2f} GB/s)"
+        f" ({fmt_rate(result.push_gbps * 1e9)})"
     )
 
 
@@ -106,6 +113,8 @@ def sync_details(console: Console, result: outcome.SyncResult) -> None:
         table.add_row("version", f"{s.old_version} -> {s.weight_version}")
         table.add_row("device", f"{s.device} {s.dtype}")
         moved = f"{s.num_buckets} bucket(s), {fmt_bytes(s.num_bytes)}, {s.num_tensors} tensors"
+        if result.transport == "disk":  # the server read the files: no bytes through here
+            moved = f"{s.num_tensors} tensors, read by the server"
         table.add_row("applied", moved)
         verified = {None: "not checked", True: "every tensor's sha256 matches", False: "NO"}
         table.add_row("verified", verified[s.verified] + "".join(f"\n{m}" for m in s.mismatches))
