@@ -131,8 +131,8 @@ BAD_RECORDS = {
     "quantized dtype": ("b", dict(dtype=torch.qint8), "qint8"),
     "float offset": ("w", dict(start_idx=0.0), "start_idx"),
     "bool numel": ("b", dict(numel=True), "numel"),
-    "name not a str": ("w", dict(name=5), "record 0"),
-    "name as bytes": ("b", dict(name=b"b"), "record 1"),
+    "name not a str": ("w", dict(name=5), "record 0|record: name 5"),
+    "name as bytes": ("b", dict(name=b"b"), "record 1|record: name b"),
 }
 
 
@@ -241,7 +241,7 @@ def test_payloads_name_exactly_these_globals():
     verl = [(n, LocalSerializedTensor([MultiprocessingSerializer.serialize(t)])) for n, t in named]
     for obj in (FlattenedTensorBucket(named_tensors=named).to_payload(), named, verl):
         loaded = Recorder(io.BytesIO(MultiprocessingSerializer.serialize(obj))).load()
-    assert_same([(n, lst.get(0)) for n, lst in loaded], named)
+    assert_same([(n, MultiprocessingSerializer.deserialize(v.entry(0))) for n, v in loaded], named)
     red = "torch.multiprocessing.reductions"
     wire = {
         (red, "rebuild_tensor"),
@@ -250,8 +250,8 @@ def test_payloads_name_exactly_these_globals():
     }
     wire |= {("torch", "Tensor"), ("torch.storage", "UntypedStorage"), ("torch", "Size")}
     wire |= {
-        ("grctl.weights.ipc", "FlattenedTensorMetadata"),
-        ("grctl.weights.ipc", "LocalSerializedTensor"),
+        ("grctl.weights.wire_records", "FlattenedTensorMetadata"),
+        ("grctl.weights.wire_records", "LocalSerializedTensor"),
     }
     dtypes = {("torch", str(t.dtype).removeprefix("torch.")) for _, t in named}
     assert seen == wire | dtypes
@@ -336,7 +336,7 @@ def test_verl_local_serialized_tensors_decode(module, monkeypatch):
     lst = MultiprocessingSerializer.deserialize(entry)[0][1]
     assert type(lst) is LocalSerializedTensor
     with pytest.raises(WeightValidationError, match="TP rank 1"):
-        lst.get(1)
+        lst.entry(1)
 
 
 @pytest.mark.parametrize(
@@ -564,3 +564,15 @@ def test_hostile_payload_is_refused_and_runs_nothing(name, hostile_marker):
 def test_allowed_globals_refuse_misuse(name):
     with pytest.raises(WeightValidationError):
         decode_payload(base64.b64encode(h.MISUSE[name]).decode(), "flattened_bucket")
+
+
+def test_allowlist_never_imports_the_code_that_uses_it():
+    """The wire records are data of their own: the unpickler (and its allowlist) loads
+    without grctl.weights.ipc, so the two modules no longer import each other."""
+    code = (
+        "import sys, grctl.weights.unpickler as u; u.SafeUnpickler.find_class(None, "
+        "'sglang.srt.weight_sync.tensor_bucket', 'FlattenedTensorMetadata'); "
+        "print('grctl.weights.ipc' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -14,13 +14,13 @@ import torch
 from grctl.client.outcome import ServerOutcome
 from grctl.client.types import CheckerResult
 from grctl.errors import GrctlError
+from grctl.weights import dtypes
 from grctl.weights.checker import tensor_sha256
 from grctl.weights.checkpoint import Checkpoint
-from grctl.weights.loader import DTYPES
 
 
 def dtype_of(name: str) -> torch.dtype | None:
-    return DTYPES.get(name.removeprefix("torch.")) if name else None
+    return dtypes.from_name(name)
 
 
 class CheckpointDigests:

@@ -19,9 +19,8 @@ from torch import nn
 from grctl.engine.device import synchronize
 from grctl.engine.model_config import ModelConfig
 from grctl.errors import GrctlError, WeightValidationError
+from grctl.weights.dtypes import WEIGHT_DTYPES, name_of
 from grctl.weights.mapping import resolve
-
-ACCEPTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 class WeightCopyError(GrctlError):
@@ -93,10 +92,10 @@ def plan(
                 f"tensor {spec.name!r} is a fused parameter name; send HF names (q_proj, "
                 "k_proj, v_proj, gate_proj, up_proj) or use load_format 'direct'"
             )
-        if spec.dtype not in ACCEPTED_DTYPES:
+        if spec.dtype not in WEIGHT_DTYPES:
             raise WeightValidationError(
                 f"tensor {spec.name!r} has dtype {spec.dtype}; expected a floating dtype "
-                f"({', '.join(str(d).removeprefix('torch.') for d in ACCEPTED_DTYPES)})"
+                f"({', '.join(name_of(d) for d in WEIGHT_DTYPES)})"
             )
         param = params[target.param_name]
         dst = param[target.row_start : target.row_end] if target.is_shard else param

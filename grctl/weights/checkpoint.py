@@ -26,21 +26,7 @@ from grctl.engine.model_config import ModelConfig
 from grctl.errors import ValidationError, WeightValidationError
 from grctl.weights import apply, faults
 from grctl.weights.apply import TensorSpec
-
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
+from grctl.weights.dtypes import SAFETENSORS
 
 
 class Checkpoint:
@@ -103,7 +89,7 @@ class Checkpoint:
                 handle = self._open(file)
                 for name in handle.keys():
                     sl = handle.get_slice(name)
-                    dtype = SAFETENSORS_DTYPES.get(sl.get_dtype())
+                    dtype = SAFETENSORS.get(sl.get_dtype())
                     if dtype is None:
                         raise WeightValidationError(
                             f"tensor {name!r} in {file.name} has unsupported dtype {sl.get_dtype()}"
@@ -208,7 +194,7 @@ class PinnedSafetensors:
             sizes = []
             for name in handle.offset_keys():
                 sl = handle.get_slice(name)
-                dtype = SAFETENSORS_DTYPES.get(sl.get_dtype(), torch.uint8)
+                dtype = SAFETENSORS.get(sl.get_dtype(), torch.uint8)
                 shape = list(sl.get_shape())
                 nbytes = math.prod(shape) * dtype.itemsize
                 sizes.append((name, nbytes, dtype, shape))

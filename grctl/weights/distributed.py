@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from grctl.errors import InternalError, ValidationError
-from grctl.weights import apply
+from grctl.weights import apply, dtypes
 from grctl.weights.apply import TensorSpec
 from grctl.weights.process_group import Group, GroupRegistry, timeout_s
 from grctl.weights.updater import UpdateOutcome, WeightUpdater
@@ -28,8 +28,8 @@ LOAD_FORMATS = (None, "flattened_bucket")
 
 
 def parse_dtype(text: str) -> torch.dtype:
-    dtype = getattr(torch, str(text).removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
+    dtype = dtypes.from_name(text)
+    if dtype is None:
         raise ValidationError(
             f"unknown dtype {text!r}", hint="use a torch dtype name such as 'bfloat16' or 'float32'"
         )

@@ -25,65 +25,24 @@ import pickle
 import sys
 import threading
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, fields
 from multiprocessing.reduction import ForkingPickler
 
 import torch
 from torch.multiprocessing import reductions
 
 from grctl.errors import WeightValidationError
-from grctl.weights.unpickler import (
-    CUDA_DEVICE_ARG,
-    DTYPES,
-    check_extent,
-    cuda_device_uuid,
-    safe_loads,
+from grctl.weights.dtypes import DTYPES
+from grctl.weights.unpickler import CUDA_DEVICE_ARG, check_extent, cuda_device_uuid, safe_loads
+from grctl.weights.wire_records import (
+    FlattenedTensorMetadata,
+    LocalSerializedTensor,
+    metadata_fault,
 )
 
 LOAD_FORMATS = ("flattened_bucket", "direct", None)
 _manager_lock = threading.Lock()
 _manager_started = False
 _ALLOWED_DTYPES = frozenset(DTYPES.values())
-
-
-@dataclass
-class FlattenedTensorMetadata:
-    name: str
-    shape: torch.Size
-    dtype: torch.dtype
-    start_idx: int
-    end_idx: int
-    numel: int  # bytes (current layout); elements in old one-dtype buckets
-
-    def __setstate__(self, state: object) -> None:
-        # An unpickled record gets these six fields and nothing else (no injected __setstate__).
-        if not isinstance(state, dict) or not set(state) <= _METADATA_FIELDS:
-            raise WeightValidationError("FlattenedTensorMetadata state has unexpected fields")
-        for key in _METADATA_FIELDS:
-            setattr(self, key, state.get(key))
-
-
-_METADATA_FIELDS = frozenset(f.name for f in fields(FlattenedTensorMetadata))
-
-
-@dataclass
-class LocalSerializedTensor:
-    """verl's per-rank tensor: values[i] is TP rank i's own serialized tensor; grctl reads 0."""
-
-    values: list[bytes]
-
-    def __setstate__(self, state: object) -> None:
-        values = state.get("values") if isinstance(state, dict) and len(state) == 1 else None
-        if not isinstance(values, list) or not all(isinstance(v, (bytes, str)) for v in values):
-            raise WeightValidationError("LocalSerializedTensor.values is not a list of payloads")
-        self.values = values
-
-    def get(self, rank: int = 0) -> torch.Tensor:
-        values = getattr(self, "values", None) or []
-        if not 0 <= rank < len(values):
-            raise WeightValidationError(f"LocalSerializedTensor has no entry for TP rank {rank}")
-        tensor = MultiprocessingSerializer.deserialize(values[rank])
-        return _checked_tensor(tensor, f"LocalSerializedTensor entry {rank}")
 
 
 # ---- sending -------------------------------------------------------------------------------
@@ -306,21 +265,14 @@ def _check_record(index: int, record: object, flat: torch.Tensor) -> tuple:
         getattr(record, key, None)
         for key in ("name", "shape", "dtype", "start_idx", "end_idx", "numel")
     )
-    if not isinstance(name, str):
-        raise WeightValidationError(
-            f"flattened_bucket record {index}: name {name!r:.60} is not a str"
-        )
+    fault = metadata_fault(name, shape, dtype, start, end, numel)
+    if fault is not None:
+        who = f"tensor {name!r}" if isinstance(name, str) else f"record {index}"
+        raise WeightValidationError(f"flattened_bucket {who}: {fault}")
 
     def refuse(what: str) -> WeightValidationError:
         return WeightValidationError(f"flattened_bucket tensor {name!r}: {what}")
 
-    if not isinstance(shape, (tuple, list)) or not all(type(d) is int and d >= 0 for d in shape):
-        raise refuse(f"shape {shape!r:.80} is not a sequence of ints >= 0")
-    if not isinstance(dtype, torch.dtype) or dtype not in _ALLOWED_DTYPES:
-        raise refuse(f"dtype {dtype!r:.40} is not a torch dtype grctl accepts")
-    for key, value in (("start_idx", start), ("end_idx", end), ("numel", numel)):
-        if type(value) is not int:
-            raise refuse(f"{key} {value!r:.40} is not an int")
     # uint8 flat tensor: byte offsets. Another dtype: an old one-dtype bucket, offsets in elements.
     in_bytes = flat.dtype == torch.uint8
     unit = "bytes" if in_bytes else f"{flat.dtype} elements"
@@ -380,7 +332,8 @@ def decode_named_tensors(obj: object) -> list[tuple[str, torch.Tensor]]:
         if not isinstance(name, str):
             raise WeightValidationError(f"payload item {index}: name {name!r:.60} is not a str")
         if isinstance(tensor, LocalSerializedTensor):
-            tensor = tensor.get(0)
+            inner = MultiprocessingSerializer.deserialize(tensor.entry(0))
+            tensor = _checked_tensor(inner, "LocalSerializedTensor entry 0")
         out.append((name, _checked_tensor(tensor, f"tensor {name!r}")))
     return out
 

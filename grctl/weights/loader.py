@@ -15,15 +15,7 @@ from grctl.engine.model_config import ModelConfig
 from grctl.engine.qwen3 import Qwen3ForCausalLM
 from grctl.errors import ValidationError
 from grctl.weights.checkpoint import Checkpoint, copy_checkpoint, plan_checkpoint
-
-DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "fp32": torch.float32,
-    "fp16": torch.float16,
-    "bf16": torch.bfloat16,
-}
+from grctl.weights.dtypes import SERVED_DTYPES, name_of
 
 # The built-in GR model: ids 0-255 are text and special tokens (0 pad, 1 bos, 2 eos), then three
 # semantic-ID levels of 256 codes each, so an item is three tokens <a_i><b_j><c_k>.
@@ -59,9 +51,9 @@ def resolve_device(device: str) -> torch.device:
 
 def resolve_dtype(dtype: str, cfg: ModelConfig) -> torch.dtype:
     name = (cfg.torch_dtype or "float32") if dtype == "auto" else dtype
-    if name not in DTYPES:
+    if name not in SERVED_DTYPES:
         raise ValidationError(f"unsupported dtype {name!r}; use one of bfloat16, float16, float32")
-    return DTYPES[name]
+    return SERVED_DTYPES[name]
 
 
 def empty_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> Qwen3ForCausalLM:
@@ -113,7 +105,7 @@ def export_hf(model: Qwen3ForCausalLM, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = model.config
-    dtype_name = str(next(model.parameters()).dtype).removeprefix("torch.")
+    dtype_name = name_of(next(model.parameters()).dtype)
     hf_cfg = {**cfg.to_hf(), "torch_dtype": dtype_name}
     (out / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
     tensors = {k: v.detach().cpu().contiguous() for k, v in hf_state_dict(model).items()}

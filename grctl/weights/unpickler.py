@@ -33,6 +33,8 @@ import torch
 from torch.multiprocessing import reductions
 
 from grctl.errors import WeightValidationError
+from grctl.weights.dtypes import DTYPES
+from grctl.weights.wire_records import FlattenedTensorMetadata, LocalSerializedTensor
 
 # Index of the device in torch's rebuild_cuda_tensor arguments (tensor_cls, size, stride,
 # storage_offset, storage_cls, dtype, storage_device, storage_handle, ...): 15 in all.
@@ -42,15 +44,6 @@ _REFUSED_OPCODES = {"EXT1", "EXT2", "EXT4", "PERSID", "BINPERSID"}
 _SHM_NAME = re.compile(rb"/torch_\d+_\d+_\d+")
 _SHM_MANAGER = re.compile(r"/(?:.+/)?torch-shm-dir-\w+/manager\.sock")
 
-DTYPES = {
-    name: getattr(torch, name)
-    for name in (
-        "float32 float16 bfloat16 float64 complex32 complex64 complex128 bool uint8 int8 int16 "
-        "int32 int64 uint16 uint32 uint64 float8_e4m3fn float8_e5m2 float8_e4m3fnuz "
-        "float8_e5m2fnuz float8_e8m0fnu float4_e2m1fn_x2"
-    ).split()
-    if isinstance(getattr(torch, name, None), torch.dtype)
-}
 _ALLOWED_DTYPES = frozenset(DTYPES.values())
 
 
@@ -196,8 +189,6 @@ _HINTS = {
 
 @functools.cache
 def _allowed() -> dict[tuple[str, str], object]:
-    from grctl.weights.ipc import FlattenedTensorMetadata, LocalSerializedTensor
-
     red = "torch.multiprocessing.reductions"
     table: dict[tuple[str, str], object] = {
         ("torch", "Size"): torch.Size,
@@ -215,13 +206,15 @@ def _allowed() -> dict[tuple[str, str], object]:
     }
     table.update({("torch", name): dtype for name, dtype in DTYPES.items()})
     for module in (
-        "grctl.weights.ipc",
+        "grctl.weights.wire_records",
+        "grctl.weights.ipc",  # grctl before wire_records.py
         "sglang.srt.weight_sync.tensor_bucket",
         "sglang.srt.model_executor.model_runner",  # before tensor_bucket.py existed
     ):
         table[(module, "FlattenedTensorMetadata")] = FlattenedTensorMetadata
     for module in (
-        "grctl.weights.ipc",
+        "grctl.weights.wire_records",
+        "grctl.weights.ipc",  # grctl before wire_records.py
         "sglang.srt.model_executor.model_runner",  # verl via sglang.srt.weight_sync.utils
         "sglang.srt.model_executor.model_runner_components.weight_updater",  # SGLang >= 0.5.16
         "sglang.srt.model_executor.weight_updater",
