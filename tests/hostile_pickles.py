@@ -296,6 +296,33 @@ def _cuda_args(device: bytes = i(0), nargs: int = 15) -> list[bytes]:
     return args[:nargs]
 
 
+def big(n: int) -> bytes:
+    raw = n.to_bytes((n.bit_length() + 8) // 8, "little", signed=True)
+    return b"\x8a" + bytes([len(raw)]) + raw  # LONG1, any size
+
+
+def _empty_cuda(ref_handle: bytes = NONE, ref_offset: bytes = i(0)) -> bytes:
+    """A 0-byte CUDA tensor record (slime's padding): it rebuilds even on a CPU server."""
+    args = [glob("torch", "Tensor"), call(glob("torch", "Size"), b"(K\x00t"), b"(K\x01t", i(0)]
+    args += [glob("torch.storage", "TypedStorage"), glob("torch", "uint8"), i(0), NONE, i(0)]
+    args += [i(0), FALSE, ref_handle, ref_offset, NONE, FALSE]
+    return call(glob(RED, "rebuild_cuda_tensor"), *args)
+
+
+def _empty_bucket(flat: bytes) -> bytes:
+    return done(b"}(" + s("flattened_tensor") + flat + s("metadata") + b"]u")
+
+
+def _bucket_of_record(shape: bytes) -> bytes:
+    """A bucket whose one record (grctl's own class, NEWOBJ + BUILD) has this shape tuple."""
+    fields = s("name") + s("model.norm.weight") + s("shape") + shape
+    fields += s("dtype") + glob("torch", "float32")
+    fields += s("start_idx") + i(0) + s("end_idx") + i(0) + s("numel") + i(0)
+    record = glob("grctl.weights.wire_records", "FlattenedTensorMetadata") + b")\x81}("
+    record += fields + b"ub"
+    return done(b"}(" + s("flattened_tensor") + _empty_cuda() + s("metadata") + lst(record) + b"u")
+
+
 MISUSE: dict[str, bytes] = {
     "tensor_class_called": done(call(glob("torch", "Tensor"), i(10**12))),
     "storage_class_called": done(call(UNTYPED, i(10**12))),
@@ -358,6 +385,14 @@ MISUSE: dict[str, bytes] = {
         + s("values")
         + lst(i(1))
         + b"ub"
+    ),
+    "record_dim_past_int64": _bucket_of_record(b"(K\x00" + big(2**70) + b"t"),
+    "cuda_ref_counter_offset_past_the_file": _empty_bucket(
+        _empty_cuda(b(b"/torch_1_2_3"), i(10_000))
+    ),
+    "cuda_ref_counter_offset_negative": _empty_bucket(_empty_cuda(b(b"/torch_1_2_3"), i(-1))),
+    "cuda_ref_counter_handle_not_a_segment": _empty_bucket(
+        _empty_cuda(b(b"/../../dev/shm/x"), i(0))
     ),
     "persistent_id": done(s("x") + b"Q"),
     "truncated": os_system(Path("/nonexistent/marker"))[:12],

@@ -502,6 +502,21 @@ def test_shared_memory_records_are_checked_against_the_segment():
     assert MultiprocessingSerializer.deserialize(entry(handle, size)).nbytes() == size
 
 
+def test_shared_memory_size_counts_torchs_header():
+    """torch maps a segment as a 64-byte header plus `size` bytes and grows a shorter file to
+    fit: a size that only fits by eating the header must be refused, before torch grows
+    another process's segment."""
+    tensor = share_for_ipc(torch.zeros(4))
+    manager, handle, size = tensor.untyped_storage()._share_filename_cpu_()
+    path = "/dev/shm" + handle.decode()
+    before = os.stat(path).st_size
+    rebuild = h.glob(h.RED, "rebuild_storage_filename")
+    entry = h.done(h.call(rebuild, h.UNTYPED, h.b(manager), h.b(handle), h.i(size + 32)))
+    with pytest.raises(WeightValidationError, match="smaller than"):
+        MultiprocessingSerializer.deserialize(entry)
+    assert os.stat(path).st_size == before
+
+
 @pytest.mark.parametrize(
     "state, fault",
     [

@@ -30,7 +30,7 @@ from multiprocessing.reduction import ForkingPickler
 import torch
 from torch.multiprocessing import reductions
 
-from grctl.errors import WeightValidationError
+from grctl.errors import GrctlError, WeightValidationError
 from grctl.weights.dtypes import DTYPES
 from grctl.weights.unpickler import CUDA_DEVICE_ARG, check_extent, cuda_device_uuid, safe_loads
 from grctl.weights.wire_records import (
@@ -345,4 +345,13 @@ def decode_payload(entry: str | bytes, load_format: str | None) -> list[tuple[st
             f"load_format {load_format!r} is not supported; use flattened_bucket, direct or null"
         )
     obj = MultiprocessingSerializer.deserialize(entry)
-    return decode_bucket(obj) if load_format == "flattened_bucket" else decode_named_tensors(obj)
+    try:
+        if load_format == "flattened_bucket":
+            return decode_bucket(obj)
+        return decode_named_tensors(obj)
+    except GrctlError:
+        raise
+    except (RuntimeError, TypeError, ValueError, OverflowError) as exc:
+        # Whatever the unpickled objects hold, the sender's mistake is a 400, never a 500.
+        msg = f"tensor payload refused: {type(exc).__name__}: {exc}"
+        raise WeightValidationError(msg[:400]) from None

@@ -21,6 +21,7 @@ or called, whatever the payload says. What is still callable is narrowed further
 from __future__ import annotations
 
 import collections
+import ctypes
 import functools
 import io
 import os
@@ -43,6 +44,13 @@ _NUM_CUDA_ARGS = 15
 _REFUSED_OPCODES = {"EXT1", "EXT2", "EXT4", "PERSID", "BINPERSID"}
 _SHM_NAME = re.compile(rb"/torch_\d+_\d+_\d+")
 _SHM_MANAGER = re.compile(r"/(?:.+/)?torch-shm-dir-\w+/manager\.sock")
+# torch maps a named segment as this header (its reference count) plus the data, and grows a
+# file shorter than that to fit: the size a payload names must fit beside the header.
+_SHM_HEADER = 64
+# A CUDA sender's reference counters: one shared file of this many int64 slots, where the
+# receiver adds one at `ref_counter_offset` (torch's CUDA_IPC_REF_COUNTER_FILE_SIZE).
+_REF_COUNTER_SLOTS = 10_000
+_MAX_DIM = 2**63 - 1  # torch sizes are int64
 
 _ALLOWED_DTYPES = frozenset(DTYPES.values())
 
@@ -74,7 +82,7 @@ def _check(ok: bool, what: str) -> None:
 
 
 def _is_int(x: object, low: int = 0) -> bool:
-    return type(x) is int and x >= low
+    return type(x) is int and low <= x <= _MAX_DIM
 
 
 def _dims(x: object) -> tuple[int, ...] | None:
@@ -123,18 +131,30 @@ def rebuild_storage_filename(cls, manager, handle, size, dtype=None):
            f"{manager!r:.120} is not a torch_shm_manager socket path")  # fmt: skip
     try:
         _check(stat.S_ISSOCK(os.stat(real).st_mode), f"{real} is not a socket")
-        if os.path.isdir("/dev/shm"):
-            seg = os.lstat("/dev/shm" + os.fsdecode(handle))
-            _check(stat.S_ISREG(seg.st_mode), f"{handle!r} is not a regular segment")
-            _check(seg.st_size >= size, f"segment {handle!r} is smaller than {size} bytes")
+    except OSError as exc:
+        raise _refuse(f"torch_shm_manager socket is gone ({exc.strerror}): {real}") from None
+    _check_segment(handle, _SHM_HEADER + size, "shared-memory")
+    return reductions.rebuild_storage_filename(torch.UntypedStorage, manager, handle, size)
+
+
+def _check_segment(handle: bytes, nbytes: int, what: str) -> None:
+    """`handle` names an existing torch segment of at least `nbytes` bytes, header included."""
+    if not os.path.isdir("/dev/shm"):
+        return  # no tmpfs to look at (not Linux): torch's own checks are all there is
+    try:
+        seg = os.lstat("/dev/shm" + os.fsdecode(handle))
     except OSError as exc:
         raise _refuse(
-            f"shared memory segment {handle!r} is not in this server's /dev/shm ({exc.strerror}):"
+            f"{what} segment {handle!r} is not in this server's /dev/shm ({exc.strerror}):"
             " the pushing process must run on this host and share its /dev/shm (a container"
             " needs the host's /dev/shm mounted) and keep the bucket until the call returns;"
             " otherwise push with --transport disk"
         ) from None
-    return reductions.rebuild_storage_filename(torch.UntypedStorage, manager, handle, size)
+    _check(stat.S_ISREG(seg.st_mode), f"{handle!r} is not a regular segment")
+    _check(
+        seg.st_size >= nbytes,
+        f"{what} segment {handle!r} is smaller than {nbytes} bytes ({seg.st_size})",
+    )
 
 
 def rebuild_typed_storage(storage, dtype):
@@ -163,10 +183,21 @@ def rebuild_cuda_tensor(*args):
     _check(_is_int(device) or isinstance(device, str), f"CUDA device {device!r:.80} malformed")
     _check(handle is None or type(handle) is bytes, "CUDA IPC handle is not bytes")
     _check(_is_int(nbytes) and _is_int(base), "CUDA storage size or offset is not an int >= 0")
-    for field in (args[11], args[13]):
-        _check(field is None or type(field) is bytes, "CUDA ref-counter/event handle malformed")
-    _check(_is_int(args[12]), "CUDA ref-counter offset is not an int >= 0")
+    ref_handle, ref_offset, event_handle = args[11:14]
+    _check(event_handle is None or type(event_handle) is bytes, "CUDA event handle malformed")
     _check(type(args[14]) is bool, "CUDA event_sync_required is not a bool")
+    # torch adds one at slot `ref_offset` of the file `ref_handle` names: both must be inside it.
+    is_segment = type(ref_handle) is bytes and (
+        ref_handle == b"" or _SHM_NAME.fullmatch(ref_handle) is not None
+    )
+    _check(
+        ref_handle is None or is_segment,
+        f"CUDA ref-counter handle {ref_handle!r:.80} is not a torch segment",
+    )
+    _check(
+        _is_int(ref_offset) and ref_offset < _REF_COUNTER_SLOTS,
+        f"CUDA ref-counter offset {ref_offset!r:.40} is outside [0, {_REF_COUNTER_SLOTS})",
+    )
     empty = handle is None or nbytes == 0
     check_extent(size, stride, offset, dtype.itemsize, 0 if empty else nbytes, "CUDA tensor")
     if not torch.cuda.is_available():
@@ -174,9 +205,47 @@ def rebuild_cuda_tensor(*args):
         _check(empty, "CUDA IPC payload, but this server has no CUDA device")
         return torch.empty(size, dtype=dtype)
     index = cuda_device_index(device)
+    if not empty and ref_handle:
+        _check_segment(ref_handle, _SHM_HEADER + 8 * _REF_COUNTER_SLOTS, "CUDA ref-counter")
     rebuild = getattr(reductions, "_rebuild_cuda_tensor_original", reductions.rebuild_cuda_tensor)
     fields = (torch.Tensor, size, stride, offset, torch.storage.TypedStorage, dtype, index)
-    return rebuild(*fields, handle, nbytes, base, False, *args[11:])
+    tensor = rebuild(*fields, handle, nbytes, base, False, *args[11:])
+    if not empty:
+        _check_cuda_block(tensor.untyped_storage(), nbytes)
+    return tensor
+
+
+def _check_cuda_block(storage: torch.UntypedStorage, nbytes: int) -> None:
+    """The storage (block base + offset, nbytes) lies inside the CUDA IPC block it was opened
+    from. torch maps the whole block, then trusts the sender's offset and size; nothing has
+    read through the storage yet when this runs."""
+    span = cuda_address_range(storage.data_ptr())
+    if span is None:  # no driver API to ask: torch's own checks are all there is
+        return
+    start, length = span
+    end = storage.data_ptr() + nbytes
+    past = end - start - length
+    _check(past <= 0, f"CUDA storage of {nbytes} bytes ends {past} bytes past its IPC block")
+
+
+@functools.cache
+def _libcuda():
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+
+
+def cuda_address_range(ptr: int) -> tuple[int, int] | None:
+    """(base, size) of the device allocation holding `ptr` (cuMemGetAddressRange), or None."""
+    lib = _libcuda()
+    fn = getattr(lib, "cuMemGetAddressRange_v2", None) if lib is not None else None
+    if fn is None:
+        return None
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    if fn(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr)) != 0:
+        return None
+    return base.value, size.value
 
 
 _HINTS = {

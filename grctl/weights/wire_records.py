@@ -21,6 +21,7 @@ from grctl.errors import WeightValidationError
 from grctl.weights.dtypes import DTYPES
 
 _ALLOWED_DTYPES = frozenset(DTYPES.values())
+_MAX_DIM = 2**63 - 1  # torch sizes are int64
 
 
 @dataclass
@@ -52,13 +53,17 @@ def metadata_fault(name, shape, dtype, start_idx, end_idx, numel) -> str | None:
     """What is wrong with a record's field types, or None; the same words wherever it is read."""
     if not isinstance(name, str):
         return f"name {name!r:.60} is not a str"
-    if not isinstance(shape, (tuple, list)) or not all(type(d) is int and d >= 0 for d in shape):
+    if not isinstance(shape, (tuple, list)) or not all(
+        type(d) is int and 0 <= d <= _MAX_DIM for d in shape
+    ):
         return f"shape {shape!r:.80} is not a sequence of ints >= 0"
     if not isinstance(dtype, torch.dtype) or dtype not in _ALLOWED_DTYPES:
         return f"dtype {dtype!r:.40} is not a torch dtype grctl accepts"
     for key, value in (("start_idx", start_idx), ("end_idx", end_idx), ("numel", numel)):
         if type(value) is not int:
             return f"{key} {value!r:.40} is not an int"
+        if not -_MAX_DIM <= value <= _MAX_DIM:
+            return f"{key} {value!r:.40} is out of range"
     return None
 
 
