@@ -184,6 +184,36 @@ def test_status_and_counters(model):
     assert set(st["prefill_cache"]) >= {"enabled", "entries", "tokens", "hits", "misses"}
 
 
+def test_status_reads_each_kv_once(model):
+    """The worker drops a finished request's KV without the engine lock (Executor._decode),
+    so status() may see `seq.ctx` set and then None: it reads each reference once. Here the
+    release happens exactly between a truthiness check and the read that follows it."""
+    eng = make(model)
+    eng.submit(req(max_new_tokens=3, n=2))
+    eng.run_step()  # prefill: the request runs and holds its KV
+    seq = eng.scheduler.running[0]
+    ctx, beam_kv = seq.ctx, seq.beam_kv
+
+    class ReleasedWhenChecked:
+        def __init__(self, real):
+            self.real = real
+
+        def __bool__(self):
+            seq.release_kv()  # the worker, right after the check
+            return True
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+    seq.ctx, seq.beam_kv = ReleasedWhenChecked(ctx), ReleasedWhenChecked(beam_kv)
+    sched = eng.status()["scheduler"]
+    assert sched["context_kv_bytes"] in (0, ctx.nbytes)
+    assert sched["beam_kv_bytes"] in (0, beam_kv.nbytes)
+    seq.ctx, seq.beam_kv = ctx, beam_kv
+    sched = eng.status()["scheduler"]
+    assert sched["context_kv_bytes"] == ctx.nbytes and sched["beam_kv_bytes"] == beam_kv.nbytes
+
+
 def test_worker_lifecycle(model):
     eng = make(model)
     eng.start()

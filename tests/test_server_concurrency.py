@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -49,3 +50,35 @@ def test_64_concurrent_generates_match_sequential(builtin_server):
             lp_a = [x[0] for x in a["meta_info"]["output_token_logprobs"]]
             lp_t = [x[0] for x in t["meta_info"]["output_token_logprobs"]]
             assert lp_t == pytest.approx(lp_a, abs=1e-4)
+
+
+def test_status_metrics_loads_while_requests_finish(builtin_server):
+    """The worker drops a finished request's KV while /status, /metrics and /v1/loads read the
+    running set: every read answers 200 (once an AttributeError -> 500 race)."""
+    stop = threading.Event()
+    statuses: list[int] = []
+
+    def hammer(path: str) -> None:
+        with builtin_server.client() as http:
+            while not stop.is_set():
+                statuses.append(http.get(path).status_code)
+
+    bodies = [request(i) for i in range(160)]
+    for body in bodies:
+        body["rid"] = None
+        body["sampling_params"]["n"] = 8
+    with ThreadPoolExecutor(4) as readers, builtin_server.client() as http:
+        futures = [readers.submit(hammer, p) for p in ("/status", "/metrics", "/v1/loads")]
+        try:
+            rids = []
+            for start in range(0, len(bodies), 4):  # all queued first: many finish per step
+                resp = http.post("/submit_many", json={"requests": bodies[start : start + 4]})
+                assert resp.status_code == 202, resp.text
+                rids += resp.json()["request_ids"]
+            for rid in rids:
+                assert http.get(f"/result/{rid}", params={"timeout": 60}).status_code == 200
+        finally:
+            stop.set()
+            for f in futures:
+                f.result()
+    assert len(statuses) > 100 and set(statuses) == {200}, sorted(set(statuses))

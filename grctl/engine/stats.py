@@ -65,6 +65,9 @@ class EngineStats:
         sched, ex, cfg = engine.scheduler, engine.executor, engine.config
         num_waiting, num_running = len(sched.waiting), len(sched.running)
         graphs = engine.runner.graphs
+        # The worker drops a finished request's KV without the lock (Executor._decode): read
+        # each reference once, so a release between a check and the read is no AttributeError.
+        kv = [(s.ctx, s.beam_kv) for s in list(sched.running)]
         return {
             "scheduler": {
                 "running": num_running,
@@ -73,8 +76,8 @@ class EngineStats:
                 "num_waiting": num_waiting,
                 "running_beams": sum(s.num_beams for s in sched.running),
                 # the context KV once per request, the decoded tail once per beam
-                "context_kv_bytes": sum(s.ctx.nbytes for s in sched.running if s.ctx),
-                "beam_kv_bytes": sum(s.beam_kv.nbytes for s in sched.running if s.beam_kv),
+                "context_kv_bytes": sum(c.nbytes for c, _ in kv if c is not None),
+                "beam_kv_bytes": sum(b.nbytes for _, b in kv if b is not None),
                 "finished": self.num_finished,
                 "retained_results": len(engine.results),
                 "evicted_results": engine.results.num_evicted,
