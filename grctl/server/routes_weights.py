@@ -10,6 +10,7 @@ read.
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import msgspec
@@ -38,7 +39,7 @@ from grctl.server.schemas_weights import (
     version_str,
 )
 from grctl.weights import checker, disk, tensor
-from grctl.weights.views import hf_view
+from grctl.weights.views import read_rows
 
 UPDATE_OPT = {"sglang_errors": True}
 
@@ -124,9 +125,9 @@ async def get_weights_by_name(state: State, request: Request) -> GetWeightsRespo
     if not body.name:
         raise ValidationError("name is required")
     require_weights(state)
-    view = hf_view(state.engine.model, body.name)
-    values = view[: body.truncate_size].detach().float().cpu().tolist()
-    return GetWeightsResponse(parameter=values)
+    # In a worker thread and between updates: a read never sees a half-written model.
+    read = partial(read_rows, state.engine.model, body.name, body.truncate_size)
+    return GetWeightsResponse(parameter=await offload(state, state.updater.read, read))
 
 
 @post("/weights_checker", status_code=200, summary="snapshot | reset_tensors | compare | checksum")
@@ -135,9 +136,10 @@ async def weights_checker(
 ) -> WeightsCheckerResponse:
     action = (data or WeightsCheckerBody()).action
     require_weights(state)
-    model, wc = state.engine.model, state.weights_checker
+    model, wc, read = state.engine.model, state.weights_checker, state.updater.read
+    # Each read runs between updates (the updater's lock), in a worker thread.
     if action == "checksum":
-        sums = await offload(state, checker.checksums, model)
+        sums = await offload(state, read, checker.checksums, model)
         return WeightsCheckerResponse(
             success=True,
             weight_version=state.updater.info.weight_version,
@@ -145,13 +147,13 @@ async def weights_checker(
             tensors={k: TensorChecksum(**v) for k, v in sums.items()},
         )
     if action == "snapshot":
-        n = await offload(state, wc.snapshot, model)
+        n = await offload(state, read, wc.snapshot, model)
         return WeightsCheckerResponse(success=True, message=f"snapshot of {n} parameters")
     if action == "reset_tensors":
         n = await offload(state, state.updater.reset_tensors)
         return WeightsCheckerResponse(success=True, message=f"reset {n} parameters")
     if action == "compare":
-        bad = await offload(state, wc.compare, model)
+        bad = await offload(state, read, wc.compare, model)
         if bad:
             raise ValidationError(
                 f"{len(bad)} parameter(s) differ from the snapshot: " + ", ".join(bad[:16])

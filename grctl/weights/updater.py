@@ -15,12 +15,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from grctl.engine.device import bind_thread
 from grctl.weights import apply
 from grctl.weights.apply import WeightCopyError, Write
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -94,6 +97,12 @@ class WeightUpdater:
             elapsed_ms = (time.perf_counter() - t0) * 1000.0
             self.info.last_weight_update_ms = round(elapsed_ms, 3)
         return UpdateOutcome(loaded, num_aborted, flushed, round(elapsed_ms, 3))
+
+    def read(self, fn: Callable[..., T], *args) -> T:
+        """Run a read of the live weights (get_weights_by_name, weights_checker) between two
+        updates, never inside one: a read sees one whole update or none of it."""
+        with self._lock:
+            return fn(*args)
 
     def set_version(self, new_version: str, abort_all_requests: bool = False) -> int:
         """Relabel the live weights (/update_weight_version); returns the number aborted."""

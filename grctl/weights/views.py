@@ -32,3 +32,8 @@ def hf_view(model: nn.Module, name: str) -> torch.Tensor:
         )
     param = params[target.param_name]
     return param[target.row_start : target.row_end] if target.is_shard else param
+
+
+def read_rows(model: nn.Module, name: str, num_rows: int) -> list:
+    """The first `num_rows` rows of a view, as float lists (get_weights_by_name's reply)."""
+    return hf_view(model, name)[:num_rows].detach().float().cpu().tolist()
