@@ -253,3 +253,27 @@ def test_empty_model_has_requested_dtype():
     cfg = ModelConfig.from_hf(make_hf_model(0).config.to_dict())
     m = empty_model(cfg, torch.device("cpu"), torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for p in m.parameters())
+
+
+@pytest.mark.parametrize("lm_head_first", [True, False])
+def test_tied_lm_head_never_writes_the_embedding_twice(tmp_path, lm_head_first):
+    """A tied model's lm_head is its embedding. A checkpoint that carries both (lm_head sorts
+    first in a safetensors file) keeps the embedding, with one write into that storage: two
+    parallel reads into one storage would leave a mix of both tensors."""
+    src = write_checkpoint(tmp_path / "src", seed=8, tie_word_embeddings=True)
+    state = load_file(src / "model.safetensors")
+    embed = state["model.embed_tokens.weight"]
+    state["lm_head.weight"] = torch.randn_like(embed)
+    shutil.copytree(src, tmp_path / "both")
+    save_file(state, tmp_path / "both" / "model.safetensors", metadata={"format": "pt"})
+    model = load_model(str(src), device="cpu", dtype="float32")
+    model.embed_tokens.weight.data.zero_()
+    ckpt = Checkpoint(tmp_path / "both")
+    specs = sorted(
+        ckpt.specs(), key=lambda s: s.name != "lm_head.weight", reverse=not lm_head_first
+    )
+    writes = apply.plan(model, specs, require_full=True)
+    into_embedding = [w.name for w in writes if w.param_name == "embed_tokens.weight"]
+    assert into_embedding == ["model.embed_tokens.weight"]
+    apply.copy(writes, ckpt.fetch, ckpt.read_into, workers=4)
+    assert torch.equal(model.embed_tokens.weight, embed)

@@ -75,10 +75,10 @@ def plan(
                 f"unknown tensor {spec.name!r}: the served model has no parameter "
                 f"{target.param_name!r}"
             )
-        if spec.name.removeprefix("model.") == "lm_head.weight" and cfg.tie_word_embeddings:
-            # Tied: lm_head is the embedding. A checkpoint that carries both keeps the embedding.
-            if "embed_tokens.weight" in seen_params:
-                continue
+        is_tied_head = spec.name.removeprefix("model.") == "lm_head.weight"
+        is_tied_head = is_tied_head and cfg.tie_word_embeddings
+        if is_tied_head and "embed_tokens.weight" in seen_params:
+            continue  # tied: lm_head is the embedding, and a checkpoint with both keeps the latter
         if target.is_shard and not allow_split:
             raise WeightValidationError(
                 f"tensor {spec.name!r} is an HF split name; load_format 'direct' takes only "
@@ -108,6 +108,10 @@ def plan(
         rows = (target.row_start, target.row_end) if target.is_shard else (0, param.shape[0])
         covered.setdefault(target.param_name, []).append(rows)
         seen_params.add(target.param_name)
+        if target.param_name == "embed_tokens.weight" and not is_tied_head:
+            # The embedding after a tied lm_head: one write per storage (parallel reads into
+            # one storage would leave a mix of both tensors), and the embedding's wins.
+            writes = [w for w in writes if w.param_name != "embed_tokens.weight"]
         writes.append(Write(spec.name, target.param_name, dst, spec.dtype))
     if require_full:
         missing = [n for n, p in params.items() if not _covers(covered.get(n, []), p.shape[0])]
