@@ -10,6 +10,8 @@ from grctl.engine.engine import Engine
 from grctl.engine.kv_cache import ContextKV
 from grctl.engine.prefill_cache import Entry, PrefillCache
 from grctl.engine.request import GenerateRequest, SamplingParams
+from grctl.weights import apply
+from grctl.weights.updater import WeightUpdater
 from tests.test_model_parity import hf_and_ours
 
 
@@ -103,3 +105,20 @@ def test_engine_never_serves_a_stale_entry_after_a_weight_change(model):
     ]
     st = eng.status()["prefill_cache"]
     assert (st["hits"], st["misses"], st["entries"]) == (0, 2, 1)
+
+
+def test_an_update_without_flush_drops_old_entries_at_once(model):
+    """Entries of the old weights hold KV memory and can never hit again: the update drops
+    them itself (flush_cache=false keeps the counters, not the entries)."""
+    hf, fresh = hf_and_ours(seed=5)
+    eng = Engine(fresh, EngineConfig(enable_prefill_cache=True), weight_version="v1")
+    run(eng, list(range(10, 30)))
+    run(eng, list(range(40, 50)))
+    assert eng.status()["prefill_cache"]["entries"] == 2
+    updater = WeightUpdater(eng, "v1")
+    norm = fresh.norm.weight.detach() * 1.5
+    writes = apply.plan(fresh, [apply.TensorSpec("norm.weight", tuple(norm.shape), norm.dtype)],
+                        require_full=False)  # fmt: skip
+    updater.run(lambda: writes, lambda _: norm, weight_version=None, flush_cache=False)
+    st = eng.status()["prefill_cache"]
+    assert (st["entries"], st["tokens"], st["inserts"], st["misses"]) == (0, 0, 2, 2)

@@ -191,6 +191,7 @@ class Engine(EngineCore):
             if weight_version is not None:
                 self.weight_version = weight_version
             self.weights_generation += 1  # the weights were written: no cached KV is current
+            self.cache.drop_entries()  # so drop it now, not entry by entry on lookup
             self._weights_consistent = consistent
             self._cond.notify_all()
 

@@ -2,7 +2,8 @@
 
 Only an exact prompt match is reused (a prefix would need its suffix prefilled against the cached
 KV: not done). Every entry carries the weight version it was computed with; a lookup under another
-version is a miss and drops the entry, so a stale entry is never used whatever flush said. Cached
+version is a miss, so a stale entry is never used whatever flush said, and every weight write
+drops all entries at once (`drop_entries`), so none holds KV memory after the update. Cached
 tensors are shared by reference with running requests: context KV is never written after prefill.
 """
 
@@ -71,6 +72,14 @@ class PrefillCache:
 
     def _drop(self, prompt: tuple[int, ...]) -> None:
         self.num_tokens -= self._entries.pop(prompt).num_tokens
+
+    def drop_entries(self) -> int:
+        """Drop every entry, keeping the counters (the weights changed; nobody flushed)."""
+        with self._lock:
+            dropped = len(self._entries)
+            self._entries.clear()
+            self.num_tokens = 0
+            return dropped
 
     def clear(self) -> int:
         """Drop every entry and reset the counters; returns the number of entries dropped."""
