@@ -7,9 +7,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import msgspec
 
 from grctl.client import types as t
+from grctl.errors import GrctlError
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,21 @@ class Call:
     kind: str = "control"  # control | generate | update: picks the client's timeout
     ok_statuses: tuple[int, ...] = ()  # error statuses that still carry a normal reply
     extra_timeout: float = 0.0  # added to the timeout (a server-side wait the call asks for)
+
+
+# Answered before a route handler reads the body: auth, the body limit, routing.
+UNREAD_STATUSES = (401, 403, 404, 405, 413)
+
+
+def body_never_read(exc: BaseException) -> bool:
+    """Whether a failed call's body never reached a route handler: refused up front, or the
+    connection failed or was reset. A timeout is not: the server may still read it later."""
+    cause = exc.__cause__
+    if isinstance(cause, httpx.TimeoutException):
+        return False
+    if isinstance(cause, httpx.TransportError):
+        return True
+    return isinstance(exc, GrctlError) and exc.status in UNREAD_STATUSES
 
 
 def as_(cls: type) -> Callable[[Any], Any]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from grctl.client.calls import body_never_read
 from grctl.client.http import ClientTimeout, GRClient
 from grctl.client.outcome import ServerOutcome
 from grctl.client.staging import BucketPlan, StagedBucket, release_unclaimed, stage
@@ -46,12 +47,15 @@ def send(target: Target, bucket: StagedBucket, opts: PushOptions, is_last: bool)
             token_step=opts.token_step,
             flush_cache=opts.flush_at_end and is_last,
         )
-    except ClientTimeout:  # the server may still be reading the bucket: leave its shares be
-        shares = []
+    except Exception as exc:
+        if body_never_read(exc):  # refused before any rebuild: nobody else drops these
+            shares.release_segments()
+        if isinstance(exc, ClientTimeout):  # the server may still be reading the bucket
+            shares.counters = []
         raise
     finally:
-        if shares:  # a CUDA bucket the server refused before rebuilding it
-            release_unclaimed(shares)
+        if shares.counters:  # a CUDA bucket the server refused before rebuilding it
+            release_unclaimed(shares.counters)
 
 
 def settle(flight: InFlight, num_buckets: int) -> list[Target]:

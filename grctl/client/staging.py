@@ -134,13 +134,14 @@ class StagedBucket:
         one receiver's rebuild consumes, so a payload must never go to two servers."""
         return self.payload_and_shares()[0]
 
-    def payload_and_shares(self) -> tuple[str, list[tuple[bytes, int]]]:
-        """The payload and, for a CUDA bucket, the reference counter of each IPC share in it
-        (see release_unclaimed)."""
+    def payload_and_shares(self) -> tuple[str, ipc.Shares]:
+        """The payload and what it lends the receiver (ipc.Shares), to take back if the
+        receiver never rebuilds it."""
         assert self.flat is not None, "bucket already freed"
         bucket = ipc.FlattenedTensorBucket(flattened_tensor=self.flat, metadata=self.metadata)
-        with ipc.recording_cuda_shares() as shares:
-            text = ipc.MultiprocessingSerializer.serialize(bucket.to_payload(), output_str=True)
+        shares = ipc.Shares()
+        payload = bucket.to_payload()
+        text = ipc.MultiprocessingSerializer.serialize(payload, output_str=True, shares=shares)
         return text, shares
 
     def free(self) -> None:

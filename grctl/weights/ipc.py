@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import base64
 import binascii
-import contextlib
-import contextvars
+import functools
 import io
 import math
 import os
 import pickle
 import sys
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from multiprocessing.reduction import ForkingPickler
 
 import torch
@@ -40,6 +39,7 @@ from grctl.weights.wire_records import (
 )
 
 LOAD_FORMATS = ("flattened_bucket", "direct", None)
+_REF_COUNTER_ARGS = slice(11, 13)  # ref_counter_handle, ref_counter_offset in a CUDA record
 _manager_lock = threading.Lock()
 _manager_started = False
 _ALLOWED_DTYPES = frozenset(DTYPES.values())
@@ -48,32 +48,34 @@ _ALLOWED_DTYPES = frozenset(DTYPES.values())
 # ---- sending -------------------------------------------------------------------------------
 
 
-# Each CUDA share gets a reference counter (a slot in a shared-memory file) set to 1, which the
-# receiver decrements when it lets the tensor go; the block stays allocated until then.
-# recording_cuda_shares() collects the (file, slot) of the shares made inside it.
-_cuda_shares: contextvars.ContextVar[list | None] = contextvars.ContextVar("shares", default=None)
-_REF_COUNTER_ARGS = slice(11, 13)  # ref_counter_handle, ref_counter_offset in those arguments
+class Shares:
+    """What one serialization lends its receiver, for a sender to take back when the receiver
+    never rebuilds the payload (or the segment, or block, stays pinned until the sender exits).
+
+    segments: each CPU storage shared by name carries one extra reference that the receiver's
+    rebuild consumes (`release_segments` drops it instead). counters: each CUDA share gets a
+    reference counter (a slot in a shared-memory file) set to 1, which the receiver decrements
+    when it lets the tensor go (staging.release_unclaimed reads and releases those)."""
+
+    def __init__(self) -> None:
+        self.segments: list[torch.UntypedStorage] = []
+        self.counters: list[tuple[bytes, int]] = []
+
+    def release_segments(self) -> None:
+        for storage in self.segments:
+            storage._shared_decref()
+        self.segments = []
 
 
-@contextlib.contextmanager
-def recording_cuda_shares() -> Iterator[list[tuple[bytes, int]]]:
-    shares: list[tuple[bytes, int]] = []
-    token = _cuda_shares.set(shares)
-    try:
-        yield shares
-    finally:
-        _cuda_shares.reset(token)
-
-
-def _reduce_tensor(tensor: torch.Tensor):
+def _reduce_tensor(tensor: torch.Tensor, device_uuid: bool = True, shares: Shares | None = None):
     rebuild, args = reductions.reduce_tensor(tensor)
-    shares = _cuda_shares.get()
-    if rebuild is reductions.rebuild_cuda_tensor and shares is not None:
-        shares.append(tuple(args[_REF_COUNTER_ARGS]))
-    if rebuild is reductions.rebuild_cuda_tensor and type(args[CUDA_DEVICE_ARG]) is int:
-        # The receiver may number this GPU differently (CUDA_VISIBLE_DEVICES): send its UUID.
-        uuid = cuda_device_uuid(args[CUDA_DEVICE_ARG])
-        args = (*args[:CUDA_DEVICE_ARG], uuid, *args[CUDA_DEVICE_ARG + 1 :])
+    if rebuild is reductions.rebuild_cuda_tensor:
+        if shares is not None:
+            shares.counters.append(tuple(args[_REF_COUNTER_ARGS]))
+        if device_uuid and type(args[CUDA_DEVICE_ARG]) is int:
+            # The receiver may number this GPU differently (CUDA_VISIBLE_DEVICES): its UUID.
+            uuid = cuda_device_uuid(args[CUDA_DEVICE_ARG])
+            args = (*args[:CUDA_DEVICE_ARG], uuid, *args[CUDA_DEVICE_ARG + 1 :])
     return rebuild, args
 
 
@@ -104,7 +106,7 @@ def start_shm_manager_detached() -> None:
         _manager_started = True
 
 
-def _reduce_storage_by_name(storage: torch.UntypedStorage):
+def _reduce_storage_by_name(storage: torch.UntypedStorage, shares: Shares | None = None):
     # torch's file_system branch, whatever the process-wide sharing strategy: the receiver maps
     # the segment by name, where a file descriptor could not travel inside an HTTP body.
     if storage.device.type != "cpu":
@@ -112,6 +114,8 @@ def _reduce_storage_by_name(storage: torch.UntypedStorage):
     start_shm_manager_detached()
     manager, handle, size = storage._share_filename_cpu_()
     storage._shared_incref()  # keeps the segment alive if we drop it first; the receiver decrefs
+    if shares is not None:
+        shares.segments.append(storage)
     reductions.shared_cache[handle] = reductions.StorageWeakRef(storage)
     return reductions.rebuild_storage_filename, (type(storage), manager, handle, size)
 
@@ -119,22 +123,29 @@ def _reduce_storage_by_name(storage: torch.UntypedStorage):
 class _IpcPickler(ForkingPickler):
     """ForkingPickler with grctl's reducers in its own dispatch table; torch stays unpatched."""
 
-    def __init__(self, file: io.BytesIO, device_uuid: bool = True):
+    def __init__(self, file: io.BytesIO, device_uuid: bool = True, shares: Shares | None = None):
         super().__init__(file)
-        reduce = _reduce_tensor if device_uuid else reductions.reduce_tensor
+        reduce = functools.partial(_reduce_tensor, device_uuid=device_uuid, shares=shares)
         for cls in (torch.Tensor, torch.nn.Parameter):
             self.dispatch_table[cls] = reduce
-        self.dispatch_table[torch.UntypedStorage] = _reduce_storage_by_name
+        self.dispatch_table[torch.UntypedStorage] = functools.partial(
+            _reduce_storage_by_name, shares=shares
+        )
 
 
 class MultiprocessingSerializer:
     @staticmethod
     def serialize(
-        obj: object, output_str: bool = False, *, device_uuid: bool = True
+        obj: object,
+        output_str: bool = False,
+        *,
+        device_uuid: bool = True,
+        shares: Shares | None = None,
     ) -> bytes | str:
-        """A ForkingPickler stream of `obj` (standard base64 text with `output_str`)."""
+        """A ForkingPickler stream of `obj` (standard base64 text with `output_str`); `shares`
+        collects what it lends the receiver, for a sender to take back if it is never read."""
         buf = io.BytesIO()
-        _IpcPickler(buf, device_uuid=device_uuid).dump(obj)
+        _IpcPickler(buf, device_uuid=device_uuid, shares=shares).dump(obj)
         data = buf.getvalue()
         return base64.b64encode(data).decode("ascii") if output_str else data
 
