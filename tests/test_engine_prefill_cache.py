@@ -111,7 +111,7 @@ def test_an_update_without_flush_drops_old_entries_at_once(model):
     """Entries of the old weights hold KV memory and can never hit again: the update drops
     them itself (flush_cache=false keeps the counters, not the entries)."""
     hf, fresh = hf_and_ours(seed=5)
-    eng = Engine(fresh, EngineConfig(enable_prefill_cache=True), weight_version="v1")
+    eng = Engine(fresh, EngineConfig(enable_prefill_cache=True, weight_version="v1"))
     run(eng, list(range(10, 30)))
     run(eng, list(range(40, 50)))
     assert eng.status()["prefill_cache"]["entries"] == 2
