@@ -35,7 +35,7 @@ class Trie:
     def __init__(self, paths: np.ndarray, lengths: np.ndarray, device: torch.device):
         """paths [items, depth] int32, -1 past each path's end; lengths [items] (all >= 1)."""
         num_items, depth = paths.shape
-        order = np.lexsort(paths.T[::-1])  # lexicographic; a path sorts before its extensions
+        order = _lexicographic_order(paths)  # a path sorts before its extensions
         sorted_paths, sorted_lens = paths[order], lengths[order]
         differs = np.zeros(num_items, bool)
         differs[0] = True
@@ -61,13 +61,12 @@ class Trie:
             if d + 1 < depth:
                 through.append((d, node))  # to find longer paths through an item's node
         parent = np.concatenate(parents)  # [nodes - 1], non-decreasing: edge e -> node e + 1
-        child_offsets = np.searchsorted(parent, np.arange(num_nodes + 1)).astype(np.int32)
+        child_offsets = _csr_offsets(parent, num_nodes)
         child_tokens = np.concatenate(tokens).astype(np.int32)
         terminal_unsorted = np.empty(num_items, np.int64)
         terminal_unsorted[order] = terminal
         item_index = np.argsort(terminal_unsorted, kind="stable").astype(np.int32)
-        item_offsets = np.searchsorted(terminal_unsorted[item_index], np.arange(num_nodes + 1))
-        item_offsets = item_offsets.astype(np.int32)
+        item_offsets = _csr_offsets(terminal_unsorted, num_nodes)
         items_per_node = np.diff(item_offsets)
         # items whose path runs on through a node where another item ends: never reached
         shadowed = np.zeros(num_items, bool)
@@ -139,3 +138,24 @@ class Trie:
                 return None
             node = lo + i + 1
         return node
+
+
+def _lexicographic_order(paths: np.ndarray) -> np.ndarray:
+    """Row order sorting paths [items, depth] (-1 padded) lexicographically. One argsort of a
+    packed int64 key when the columns fit in 63 bits (3 levels of 2**20 codes do), which is
+    three times faster than lexsort over the columns."""
+    depth = paths.shape[1]
+    bits = int(paths.max(initial=0) + 2).bit_length()  # values -1 .. max as 0 .. max + 1
+    if depth * bits > 63:
+        return np.lexsort(paths.T[::-1])
+    key = np.zeros(paths.shape[0], np.int64)
+    for d in range(depth):
+        key = (key << bits) | (paths[:, d].astype(np.int64) + 1)
+    return np.argsort(key, kind="stable")
+
+
+def _csr_offsets(owner: np.ndarray, num_nodes: int) -> np.ndarray:
+    """owner [entries] (the node each entry belongs to) -> offsets [num_nodes + 1] int32."""
+    offsets = np.zeros(num_nodes + 1, np.int64)
+    np.cumsum(np.bincount(owner, minlength=num_nodes), out=offsets[1:])
+    return offsets.astype(np.int32)
