@@ -247,3 +247,37 @@ def test_sampled_constrained_decodes_only_items(pair, tmp_path):
     assert all(tuple(r.output_ids) in items and r.item_results[0].is_complete for r in first)
     assert [r.output_ids for r in again] == [r.output_ids for r in first[:3]]
     assert len({tuple(r.output_ids) for r in first}) > 1
+
+
+class FirstStepOnly(transformers.LogitsProcessor):
+    """The reference for a processor with phases ["prefill"]: the first output token only."""
+
+    def __init__(self, prompt_len: int, inner: transformers.LogitsProcessor):
+        self.prompt_len, self.inner = prompt_len, inner
+
+    def __call__(self, input_ids, scores):
+        return self.inner(input_ids, scores) if input_ids.shape[1] == self.prompt_len else scores
+
+
+def test_processor_phases_and_fill_value_equal_transformers(pair, tmp_path):
+    hf, ours = pair
+    rows = random_catalog(17, 60, (3,))
+    eng = engine_with(ours, write_rows(tmp_path / "c.jsonl", rows))
+    ids = prompt(10, 17)
+    free = run(eng, [GenerateRequest(ids, SamplingParams(max_new_tokens=3, n=4))])[0]
+    first = free.beams[0].output_ids[0]
+    specs = [{"type": "suppress_tokens", "token_ids": [first], "phases": ["prefill"]}]
+    sp = SamplingParams(max_new_tokens=3, n=4, logits_processors=parse_logits_processors(specs))
+    (res,) = run(eng, [GenerateRequest(ids, sp)])
+    suppress = transformers.SuppressTokensLogitsProcessor([first], device="cpu")
+    processors = transformers.LogitsProcessorList([FirstStepOnly(len(ids), suppress)])
+    ref = reference(hf, ids, rows, 4, 3, logits_processor=processors)
+    assert [b.output_ids for b in res.beams] == [s for s, _ in ref]
+    assert all(b.output_ids[0] != first for b in res.beams)
+    got = torch.tensor([b.sequence_score for b in res.beams])
+    assert torch.allclose(got, torch.tensor([sc for _, sc in ref]), atol=1e-4)
+    # a finite fill_value replaces the log-probability: the token's score is exactly that
+    specs = [{"type": "token_suppress", "token_ids": [first], "fill_value": -0.25}]
+    sp = SamplingParams(max_new_tokens=1, n=1, logits_processors=parse_logits_processors(specs))
+    (one,) = run(eng, [GenerateRequest(ids, sp)])
+    assert one.output_ids == [first] and one.beams[0].sequence_score == pytest.approx(-0.25)
