@@ -5,6 +5,7 @@ servers; --json gives one JSON document on stdout, exit codes 0 ok / 1 failed / 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -194,3 +195,31 @@ def test_flush_hint_when_paused_in_place_and_ctrl_c_exits_130():
         assert grctl("resume", "--url", srv.url).returncode == 0
         gen.join(60)
         assert replies and replies[0].status_code == 200
+
+
+SHM_FULL = """
+import os, shutil
+from grctl.client.staging import ShmFull, shared_buffer
+print(os.getpid())
+try:
+    shared_buffer(shutil.disk_usage("/dev/shm").total + (1 << 30))
+except ShmFull as exc:
+    print(exc)
+"""
+
+
+def test_shm_full_names_the_fixes():
+    """A bucket larger than /dev/shm (Docker's default is 64 MiB) fails saying what to do.
+    Larger than the whole tmpfs, so the kernel refuses it at once, without filling it; the
+    segment name torch made is gone once the pushing process exits."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    out = subprocess.run([sys.executable, "-c", SHM_FULL], capture_output=True, text=True,
+                         env=cli_env(), cwd=REPO_ROOT, timeout=120)  # fmt: skip
+    pid, _, text = out.stdout.partition("\n")
+    assert out.returncode == 0 and "has no room" in text, out.stdout + out.stderr
+    assert "--transport disk" in text and "--bucket-mb" in text and "--shm-size" in text
+    deadline = time.monotonic() + 20  # torch_shm_manager unlinks it after the process exits
+    while [f for f in os.listdir("/dev/shm") if f.startswith(f"torch_{pid}_")]:
+        assert time.monotonic() < deadline, "a shared-memory segment outlived its process"
+        time.sleep(0.2)
