@@ -17,7 +17,9 @@ from grctl.errors import GrctlError
 
 app = typer.Typer(
     name="grctl",
-    help="Serve Qwen3 generative-recommendation models and hot-swap their weights.",
+    help="Serve Qwen3 generative-recommendation models and hot-swap their weights.\n\n"
+    "Exit codes: 0 ok, 1 failed, 2 usage error, 130 interrupted. The client commands take"
+    " --json (one JSON document on stdout); see docs/cli.md.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
@@ -79,7 +81,7 @@ def root(
         ),
     ] = False,
 ) -> None:
-    """Serve Qwen3 generative-recommendation models and hot-swap their weights."""
+    """The options of grctl itself (the app's help is set on the Typer above)."""
 
 
 def main() -> None:
