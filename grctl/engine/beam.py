@@ -14,10 +14,15 @@ beam can beat its worst entry (log-probabilities only fall, so this changes no r
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from grctl.engine.request import BeamResult
 from grctl.engine.sampler import Sampler
+
+if TYPE_CHECKING:
+    from grctl.catalog.trie import Trie
 
 # reason codes of finished beams; 0: not finished
 STOP, ITEM, LENGTH = 1, 2, 3
@@ -34,7 +39,7 @@ class Beams:
         device: torch.device,
         vocab_size: int,
         sampler: Sampler | None = None,
-        trie=None,  # a catalog Trie constraining every step, or None
+        trie: Trie | None = None,  # the catalog's trie constraining every step
     ):
         n, t = num_beams, max_new_tokens
         self.num_beams = n

@@ -28,6 +28,7 @@ from grctl.engine.sequence import Sequence, Status
 from grctl.engine.stats import EngineStats
 
 if TYPE_CHECKING:
+    from grctl.catalog.store import CatalogStore
     from grctl.engine.config import EngineConfig
 
 log = logging.getLogger("grctl.engine")
@@ -58,7 +59,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.max_running_requests, config.prefill_token_budget)
         self.results = ResultStore(config.max_finished_results)
         self.stats = EngineStats()
-        self.catalogs = None  # a CatalogStore: requests constrained to its current catalog
+        self.catalogs: CatalogStore | None = None  # requests are held to its current catalog
         self.memory = MemorySaver()
         self._memory_lock = threading.Lock()  # one release/resume at a time
         self._cond = threading.Condition()

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from grctl.engine.beam import Beams
 from grctl.engine.kv_cache import BeamKV, ContextKV
 from grctl.engine.request import GenerateRequest, GenerateResult, ItemResult
+
+if TYPE_CHECKING:
+    from grctl.catalog.store import Catalog
 
 
 class Status(enum.Enum):
@@ -24,7 +28,7 @@ class Sequence:
         request_id: str,
         req: GenerateRequest,
         stop_ids: tuple[int, ...],
-        catalog=None,  # the Catalog taken at submit: the request keeps this version throughout
+        catalog: Catalog | None = None,  # taken at submit: the request keeps this version
     ):
         self.request_id = request_id
         self.catalog = catalog
