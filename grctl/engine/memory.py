@@ -2,10 +2,10 @@
 
 Tags, as SGLang names them (none = all three):
   kv_cache    the prefill cache's context KV (requests hold none: release needs an idle engine)
-  weights     every parameter is copied to host memory (pinned on CUDA) and its data replaced by
-              an empty tensor; resume copies it back into the SAME Parameter objects (so tied
-              weights stay tied and every holder of a parameter sees it come back), at a new
-              device address
+  weights     every parameter is copied to host memory (pinned on CUDA; a CPU model keeps its
+              own tensors) and its data replaced by an empty tensor; resume copies it back into
+              the SAME Parameter objects (so tied weights stay tied and every holder of a
+              parameter sees it come back), at a new device address
   cuda_graph  the captured decode graphs and their static buffers
 Freed device memory goes back to the driver (torch.cuda.empty_cache). Graphs hold the weights'
 device addresses, so releasing weights drops them too; they are captured again, with the same
@@ -71,11 +71,13 @@ class MemorySaver:
             runner.graphs = None
 
     def _offload_weights(self, model: torch.nn.Module) -> None:
-        pin = next(model.parameters()).device.type == "cuda"
         backups = []
         for p in model.parameters():  # a tied weight is one Parameter: one backup
-            backup = torch.empty(p.shape, dtype=p.dtype, pin_memory=pin)
-            backup.copy_(p.detach())
+            if p.device.type == "cpu":  # already in host memory: keep it, copy nothing
+                backup = p.detach()
+            else:
+                backup = torch.empty(p.shape, dtype=p.dtype, pin_memory=p.device.type == "cuda")
+                backup.copy_(p.detach())
             backups.append((p, backup))
         # Every copy is made before any device memory is freed: a failure above frees nothing.
         for p, _ in backups:
