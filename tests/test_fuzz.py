@@ -119,7 +119,8 @@ def cases(root: Path) -> list[tuple[str, str, object]]:
     c: list[tuple[str, str, object]] = [
         # JSON type confusion
         ("POST", "/generate", {"input_ids": "1,2,3"}),
-        ("POST", "/generate", {"input_ids": [[1, 2], [3, 4]]}),
+        ("POST", "/generate", {"input_ids": [[1, 2], [3, 4]], "rid": ["only-one"]}),
+        ("POST", "/generate", {"input_ids": [[1, 2], []]}),  # a batch with an empty prompt
         ("POST", "/generate", {"input_ids": [1.5, 2]}),
         ("POST", "/generate", {"input_ids": [True, False]}),
         ("POST", "/generate", {"input_ids": [{"a": 1}]}),
