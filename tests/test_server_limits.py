@@ -56,8 +56,10 @@ def test_startup_log_names_model_device_dtype_address(srv):
     assert srv.url in log and "API key required" in log
 
 
-@pytest.mark.parametrize("path", ["/health", "/ready"])
-def test_health_and_ready_need_no_key(srv, path):
+@pytest.mark.parametrize(
+    "path", ["/health", "/ready", "/metrics", "/docs", "/openapi.json", "/schema/openapi.json"]
+)
+def test_health_ready_metrics_and_docs_need_no_key(srv, path):  # /metrics: --metrics-auth
     assert httpx.get(srv.url + path).status_code == 200
 
 
@@ -66,12 +68,12 @@ def test_health_and_ready_need_no_key(srv, path):
     [
         ("GET", "/status"),
         ("POST", "/generate"),
-        ("GET", "/metrics"),
+        ("GET", "/get_model_info"),
         ("GET", "/server_info"),
         ("GET", "/flush_cache"),
         ("GET", "/poll/x"),
         ("POST", "/abort_request"),
-        ("GET", "/schema/openapi.json"),
+        ("GET", "/v1/loads"),
     ],
 )
 def test_auth_matrix(srv, method, path):
