@@ -7,6 +7,8 @@ server should be serving at that point.
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -110,6 +112,28 @@ def test_verl_colocate_cycle(srv, ckpts):
         ]
         assert http.post("/resume_memory_occupation", json={"tags": None}).json()["released"] == []
         assert generate(http, PROMPTS[2]).json()["output_ids"] == hf_greedy(hf1, PROMPTS[2], 4)
+
+
+def test_batch_of_texts(tmp_path, tiny_checkpoint):
+    """text as a list is a batch too: each prompt tokenized, each reply decoded, in order."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model_dir = tmp_path / "with-tokenizer"
+    shutil.copytree(tiny_checkpoint, model_dir)
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(128)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0").save_pretrained(model_dir)
+    hf = load_hf(tiny_checkpoint)
+    texts = [" ".join(f"t{i}" for i in p) for p in PROMPTS]
+    with running_server("--model-path", str(model_dir)) as server, server.client() as http:
+        body = {"text": texts, "sampling_params": {"max_new_tokens": 3}}
+        replies = http.post("/generate", json=body).json()
+    assert len(replies) == len(PROMPTS)
+    for reply, prompt in zip(replies, PROMPTS, strict=True):
+        want = hf_greedy(hf, prompt, 3)
+        assert reply["output_ids"] == want
+        assert reply["text"] == " ".join(f"t{i}" for i in want)
 
 
 @pytest.mark.parametrize("tags", [["kv"], "weights", [3]])
