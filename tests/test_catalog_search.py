@@ -281,3 +281,26 @@ def test_processor_phases_and_fill_value_equal_transformers(pair, tmp_path):
     sp = SamplingParams(max_new_tokens=1, n=1, logits_processors=parse_logits_processors(specs))
     (one,) = run(eng, [GenerateRequest(ids, sp)])
     assert one.output_ids == [first] and one.beams[0].sequence_score == pytest.approx(-0.25)
+
+
+@pytest.mark.gpu
+def test_constrained_search_on_cuda_equals_cpu(tmp_path):
+    """The trie's tensors on the GPU: the same beams and items as on the CPU."""
+    rows = random_catalog(21, 200, (2, 3), collide=4)
+    path = write_rows(tmp_path / "c.jsonl", rows)
+    results = []
+    for device in ("cpu", "cuda"):
+        _, ours = hf_and_ours(seed=3, device=device)
+        store = CatalogStore(torch.device(device), VOCAB)
+        store.load(path)
+        assert store.current.trie.child_tokens.device.type == device
+        eng = Engine(ours, EngineConfig(device=device, max_beam_width=64, cuda_graph=False))
+        eng.catalogs = store
+        reqs = [
+            GenerateRequest(prompt(20 + i, i), SamplingParams(max_new_tokens=3, n=16))
+            for i in range(3)
+        ]
+        results.append(run(eng, reqs))
+    for cpu, gpu in zip(*results, strict=True):
+        assert [b.output_ids for b in cpu.beams] == [b.output_ids for b in gpu.beams]
+        assert [r.item_ids for r in cpu.item_results] == [r.item_ids for r in gpu.item_results]
