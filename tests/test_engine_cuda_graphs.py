@@ -57,6 +57,10 @@ def test_graph_path_matches_eager_on_cpu():
     assert graphs.num_replays == 3 * 3  # 3 decode steps each for widths 4, 3 and 1
     assert_same(run(graphed, reqs, together=True), run(eager, reqs, together=True), atol=1e-5)
     assert graphed.status()["engine"]["cuda_graph"]["buckets"] == [4, 16]
+    # one set of static buffers, at the largest bucket; the smaller bucket uses its first rows
+    for name in ("ids", "h", "q", "attn", "logits"):
+        small, large = getattr(graphs.buckets[4], name), getattr(graphs.buckets[16], name)
+        assert small.data_ptr() == large.data_ptr() and large.shape[0] == 16 and small.shape[0] == 4
 
 
 @pytest.mark.gpu

@@ -35,17 +35,31 @@ def test_lru_bounded_by_entries_and_tokens():
     assert (st["entries"], st["tokens"], st["inserts"], st["evictions"]) == (2, 95, 4, 2)
     assert (st["hits"], st["misses"]) == (2, 3)
     assert cache.clear() == 2
-    assert cache.stats() | {"max_entries": 0, "max_tokens": 0} == {
+    assert cache.stats() | {"max_entries": 0, "max_tokens": 0, "max_bytes": 0} == {
         "enabled": True,
         "entries": 0,
         "tokens": 0,
+        "bytes": 0,
         "hits": 0,
         "misses": 0,
         "inserts": 0,
         "evictions": 0,
         "max_entries": 0,
         "max_tokens": 0,
+        "max_bytes": 0,
     }
+
+
+def test_lru_bounded_by_bytes():
+    # entry(10): k and v of 10 tokens x 2 floats each (160 bytes) and 4 log-probs (16): 176
+    cache = PrefillCache(True, max_entries=10, max_tokens=1000, max_bytes=400)
+    cache.put((1,), entry(10))
+    cache.put((2,), entry(10))
+    assert cache.stats()["bytes"] == 352
+    cache.put((3,), entry(10))  # 528 bytes: the oldest goes
+    assert cache.get((1,), "v1") is None and len(cache) == 2
+    cache.put((4,), entry(30))  # 496 bytes alone: never kept
+    assert cache.get((4,), "v1") is None and cache.stats()["bytes"] == 352
 
 
 def test_an_entry_of_another_version_is_never_used():

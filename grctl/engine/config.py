@@ -44,6 +44,20 @@ class EngineConfig:
     max_beam_width: int = knob(256, "Largest n (beam width).", "Scheduling", min=1)
     max_new_tokens: int = knob(64, "Largest max_new_tokens a request may ask.", "Scheduling", min=1)
     prefill_token_budget: int = knob(8192, "Prompt tokens prefilled per step.", "Scheduling", min=1)
+    max_kv_bytes: int = knob(
+        0,
+        "KV bytes running requests may hold (context + beams); 0: auto (kv-memory-fraction of "
+        "free GPU memory at start on CUDA; no limit on CPU).",
+        "Scheduling",
+        min=0,
+    )
+    kv_memory_fraction: float = knob(
+        0.4,
+        "Share of free GPU memory at start for KV when --max-kv-bytes is 0 (a decode step may "
+        "need as much again for its batched context).",
+        "Scheduling",
+        min=0.01,
+    )
     max_finished_results: int = knob(
         10_000, "Finished results kept until fetched.", "Scheduling", min=1
     )
@@ -52,6 +66,9 @@ class EngineConfig:
     )
     prefill_cache_max_entries: int = knob(64, "Cache size, in prompts.", "Prefill cache", min=1)
     prefill_cache_max_tokens: int = knob(262144, "Cache size, in tokens.", "Prefill cache", min=1)
+    prefill_cache_max_bytes: int = knob(
+        1 << 31, "Cache size, in bytes of KV and log-probabilities.", "Prefill cache", min=1
+    )
     weight_version: str = knob(
         "default", "Version reported until the first update.", "Weight updates"
     )

@@ -18,6 +18,7 @@ import torch
 
 from grctl.engine.device import bind_thread
 from grctl.engine.executor import Executor
+from grctl.engine.kv_cache import request_kv_bytes
 from grctl.engine.memory import MemorySaver
 from grctl.engine.model_runner import ModelRunner
 from grctl.engine.prefill_cache import PrefillCache
@@ -32,6 +33,17 @@ if TYPE_CHECKING:
     from grctl.engine.config import EngineConfig
 
 log = logging.getLogger("grctl.engine")
+
+
+def kv_bytes_budget(config: EngineConfig, device: torch.device) -> int | None:
+    """--max-kv-bytes, else a share of the GPU memory free now (the weights are loaded); None
+    (no limit) on the CPU."""
+    if config.max_kv_bytes:
+        return config.max_kv_bytes
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * config.kv_memory_fraction)
+    return None
 
 
 class EngineCore:
@@ -53,10 +65,17 @@ class EngineCore:
             config.enable_prefill_cache,
             config.prefill_cache_max_entries,
             config.prefill_cache_max_tokens,
+            config.prefill_cache_max_bytes,
         )
         self.runner = ModelRunner(model, self.device)
         self.executor = Executor(self.runner, self.cache)
-        self.scheduler = Scheduler(config.max_running_requests, config.prefill_token_budget)
+        self.kv_bytes_budget = kv_bytes_budget(config, self.device)
+        self.scheduler = Scheduler(
+            config.max_running_requests,
+            config.prefill_token_budget,
+            self.kv_bytes_budget,
+            self.kv_bytes_of,
+        )
         self.results = ResultStore(config.max_finished_results)
         self.stats = EngineStats()
         self.catalogs: CatalogStore | None = None  # requests are held to its current catalog
@@ -70,6 +89,13 @@ class EngineCore:
         self._weights_consistent = True
         self._thread: threading.Thread | None = None
         self._stopping = False
+
+    def kv_bytes_of(self, seq: Sequence) -> int:
+        sp = seq.req.sampling
+        itemsize = self.model.embed_tokens.weight.element_size()
+        return request_kv_bytes(
+            self.model.config, itemsize, seq.num_prompt_tokens, sp.n, sp.max_new_tokens
+        )
 
     @property
     def is_paused(self) -> bool:

@@ -46,24 +46,38 @@ class EagerPiece:
         self.replay = piece
 
 
+BUFFERS = ("ids", "positions", "cos", "sin", "h", "q", "k", "v", "attn", "logits")
+
+
+def static_buffers(model: Qwen3ForCausalLM, rows: int, device: torch.device) -> dict:
+    """The graphs' inputs, outputs and intermediates for `rows` rows, allocated once at the
+    largest bucket: a smaller bucket's graphs read and write the first rows of the same
+    tensors (only one bucket replays at a time)."""
+    cfg, dtype = model.config, model.embed_tokens.weight.dtype
+
+    def empty(*shape, dt=dtype):
+        return torch.zeros(shape, dtype=dt, device=device)
+
+    return {
+        "ids": empty(rows, dt=torch.int64),
+        "positions": empty(rows, dt=torch.int64),
+        "cos": empty(rows, cfg.head_dim),
+        "sin": empty(rows, cfg.head_dim),
+        "h": empty(rows, cfg.hidden_size),  # the residual stream
+        "q": empty(rows, cfg.num_attention_heads, cfg.head_dim),
+        "k": empty(rows, cfg.num_kv_heads, cfg.head_dim),
+        "v": empty(rows, cfg.num_kv_heads, cfg.head_dim),
+        "attn": empty(rows, cfg.q_size),
+        "logits": empty(rows, cfg.vocab_size, dt=torch.float32),
+    }
+
+
 class _Bucket:
-    def __init__(self, model: Qwen3ForCausalLM, rows: int, device: torch.device, pool, capture):
-        cfg, dtype = model.config, model.embed_tokens.weight.dtype
+    def __init__(self, model: Qwen3ForCausalLM, rows: int, buffers: dict, pool, capture):
         self.model, self.rows = model, rows
-
-        def empty(*shape, dt=dtype):
-            return torch.zeros(shape, dtype=dt, device=device)
-
-        self.ids = empty(rows, dt=torch.int64)
-        self.positions = empty(rows, dt=torch.int64)
-        self.cos, self.sin = empty(rows, cfg.head_dim), empty(rows, cfg.head_dim)
-        self.h = empty(rows, cfg.hidden_size)  # the residual stream
-        self.q = empty(rows, cfg.num_attention_heads, cfg.head_dim)
-        self.k = empty(rows, cfg.num_kv_heads, cfg.head_dim)
-        self.v = empty(rows, cfg.num_kv_heads, cfg.head_dim)
-        self.attn = empty(rows, cfg.q_size)
-        self.logits = empty(rows, cfg.vocab_size, dt=torch.float32)
-        num_layers = cfg.num_layers
+        for name in BUFFERS:  # leading rows of the shared buffers: contiguous views
+            setattr(self, name, buffers[name][:rows])
+        num_layers = model.config.num_layers
         pieces = [lambda: self._first()]
         pieces += [lambda i=i: self._middle(i) for i in range(1, num_layers)]
         pieces.append(lambda: self._last())
@@ -123,8 +137,9 @@ class DecodeGraphs:
         on_device = torch.cuda.device(device) if is_cuda else contextlib.nullcontext()
         with on_device, torch.inference_mode():
             pool = torch.cuda.graph_pool_handle() if is_cuda else None
+            self.buffers = static_buffers(model, max(buckets), device)
             for rows in sorted(buckets, reverse=True):  # largest first: smaller ones reuse pool
-                self.buckets[rows] = _Bucket(model, rows, device, pool, capture)
+                self.buckets[rows] = _Bucket(model, rows, self.buffers, pool, capture)
         if is_cuda:
             torch.cuda.synchronize(device)
         self._sizes = sorted(self.buckets)

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 
 from grctl.engine import memory
 from grctl.engine.core import EngineCore
+from grctl.engine.kv_cache import request_kv_bytes
 from grctl.engine.request import GenerateRequest, GenerateResult
 from grctl.engine.sequence import Sequence
 from grctl.engine.validation import stop_ids_of, validate_request
@@ -44,6 +45,7 @@ class Engine(EngineCore):
             max_beam_width=cfg.max_beam_width,
             max_new_tokens_limit=cfg.max_new_tokens,
         )
+        self._check_kv_fits(req)
         with self._cond:
             if self._stopping:
                 raise NotReady("the engine is stopping", hint="retry on another server")
@@ -72,6 +74,23 @@ class Engine(EngineCore):
             self.stats.num_submitted += 1
             self._cond.notify_all()
         return rid
+
+    def _check_kv_fits(self, req: GenerateRequest) -> None:
+        """A request whose KV alone exceeds the budget could never be admitted: refuse it now."""
+        if self.kv_bytes_budget is None:
+            return
+        sp = req.sampling
+        itemsize = self.model.embed_tokens.weight.element_size()
+        need = request_kv_bytes(
+            self.model.config, itemsize, len(req.input_ids), sp.n, sp.max_new_tokens
+        )
+        if need > self.kv_bytes_budget:
+            raise ValidationError(
+                f"the request needs {need} bytes of KV ({len(req.input_ids)} prompt tokens, "
+                f"{sp.n} beams), more than the server's KV budget of {self.kv_bytes_budget}",
+                hint="shorten the prompt or the beam width, or start the server with a larger "
+                "--max-kv-bytes",
+            )
 
     def poll(self, request_id: str) -> GenerateResult | None:
         with self._cond:

@@ -28,6 +28,12 @@ class ContextKV:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
 
+def request_kv_bytes(cfg, itemsize: int, prompt_len: int, num_beams: int, max_new: int) -> int:
+    """KV a request holds while it runs: its context plus its beams' tails (cfg: ModelConfig)."""
+    per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
+    return per_token * (prompt_len + num_beams * max(max_new - 1, 1))
+
+
 class BeamKV:
     """KV of decoded tokens for `num_beams` beams: [layers, 2, beams, kv_heads, steps, head_dim].
 

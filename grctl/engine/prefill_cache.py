@@ -28,12 +28,18 @@ class Entry:
     def num_tokens(self) -> int:
         return self.ctx.length
 
+    @property
+    def nbytes(self) -> int:
+        return self.ctx.nbytes + self.logprobs.numel() * self.logprobs.element_size()
+
 
 class PrefillCache:
-    def __init__(self, enabled: bool, max_entries: int, max_tokens: int):
+    def __init__(self, enabled: bool, max_entries: int, max_tokens: int, max_bytes: int = 1 << 62):
         self.enabled = enabled
         self.max_entries = max_entries
         self.max_tokens = max_tokens
+        self.max_bytes = max_bytes  # device memory its entries hold (KV of models differs 100x)
+        self.num_bytes = 0
         self._entries: OrderedDict[tuple[int, ...], Entry] = OrderedDict()
         self._lock = threading.Lock()
         self.num_tokens = 0
@@ -58,20 +64,28 @@ class PrefillCache:
             return entry
 
     def put(self, prompt: tuple[int, ...], entry: Entry) -> None:
-        if not self.enabled or entry.num_tokens > self.max_tokens or self.max_entries <= 0:
+        too_big = entry.num_tokens > self.max_tokens or entry.nbytes > self.max_bytes
+        if not self.enabled or too_big or self.max_entries <= 0:
             return
         with self._lock:
             if prompt in self._entries:
                 self._drop(prompt)
             self._entries[prompt] = entry
             self.num_tokens += entry.num_tokens
+            self.num_bytes += entry.nbytes
             self.inserts += 1
-            while len(self._entries) > self.max_entries or self.num_tokens > self.max_tokens:
+            while (
+                len(self._entries) > self.max_entries
+                or self.num_tokens > self.max_tokens
+                or self.num_bytes > self.max_bytes
+            ):
                 self._drop(next(iter(self._entries)))
                 self.evictions += 1
 
     def _drop(self, prompt: tuple[int, ...]) -> None:
-        self.num_tokens -= self._entries.pop(prompt).num_tokens
+        entry = self._entries.pop(prompt)
+        self.num_tokens -= entry.num_tokens
+        self.num_bytes -= entry.nbytes
 
     def drop_entries(self) -> int:
         """Drop every entry, keeping the counters (the weights changed; nobody flushed)."""
@@ -86,7 +100,7 @@ class PrefillCache:
         with self._lock:
             cleared = len(self._entries)
             self._entries.clear()
-            self.num_tokens = 0
+            self.num_tokens = self.num_bytes = 0
             self._reset_counters()
             return cleared
 
@@ -99,10 +113,12 @@ class PrefillCache:
                 "enabled": self.enabled,
                 "entries": len(self._entries),
                 "tokens": self.num_tokens,
+                "bytes": self.num_bytes,
                 "hits": self.hits,
                 "misses": self.misses,
                 "inserts": self.inserts,
                 "evictions": self.evictions,
                 "max_entries": self.max_entries,
                 "max_tokens": self.max_tokens,
+                "max_bytes": self.max_bytes,
             }

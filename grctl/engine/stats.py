@@ -75,6 +75,8 @@ class EngineStats:
                 "num_running": num_running,
                 "num_waiting": num_waiting,
                 "running_beams": sum(s.num_beams for s in sched.running),
+                "kv_bytes_budget": sched.kv_bytes_budget,  # null: no limit
+                "kv_bytes_admitted": sched.kv_bytes_running(),
                 # the context KV once per request, the decoded tail once per beam
                 "context_kv_bytes": sum(c.nbytes for c, _ in kv if c is not None),
                 "beam_kv_bytes": sum(b.nbytes for _, b in kv if b is not None),
