@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from grctl.client import staging
+from grctl.client import devices
 from grctl.errors import ValidationError
 
 GPU_A = "GPU-1b2c3d4e-0000-1111-2222-333344445555"
@@ -18,21 +18,21 @@ GPU_B = "GPU-99999999-aaaa-bbbb-cccc-ddddeeeeffff"
 
 def test_server_gpu_found_by_uuid_whatever_its_index_there():
     local = [GPU_B.removeprefix("GPU-"), GPU_A.removeprefix("GPU-")]  # torch omits "GPU-"
-    assert staging.local_index(GPU_A, local) == 1  # the server calls it cuda:0
-    assert staging.local_index(GPU_B.upper(), local) == 0
-    assert staging.local_index("GPU-00000000-0000-0000-0000-000000000000", local) is None
+    assert devices.local_index(GPU_A, local) == 1  # the server calls it cuda:0
+    assert devices.local_index(GPU_B.upper(), local) == 0
+    assert devices.local_index("GPU-00000000-0000-0000-0000-000000000000", local) is None
 
 
 @pytest.mark.parametrize("var", ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
 def test_expandable_segments_refused_by_name(monkeypatch, var):
     monkeypatch.setenv(var, "max_split_size_mb:128, expandable_segments:True")
     with pytest.raises(ValidationError, match=f"{var}=.*expandable_segments") as err:
-        staging.stage_device("cuda:0", gpu_uuid=GPU_A)
+        devices.stage_device("cuda:0", gpu_uuid=GPU_A)
     assert "--transport disk" in err.value.hint
     monkeypatch.setenv(var, "expandable_segments:False")
     with pytest.raises(ValidationError, match="no CUDA device"):  # this machine has none
-        staging.stage_device("cuda:0", gpu_uuid=GPU_A)
-    assert staging.stage_device("cpu").type == "cpu"
+        devices.stage_device("cuda:0", gpu_uuid=GPU_A)
+    assert devices.stage_device("cpu").type == "cpu"
 
 
 @pytest.fixture()
@@ -58,7 +58,7 @@ def test_shares_a_server_never_rebuilt_are_released(counter_file):
 
     os.pwrite(fd, (1).to_bytes(8, "little"), 8 * 2)  # slot 2: refused before decoding
     # slot 5: rebuilt and dropped by the server (already 0)
-    assert staging.release_unclaimed([(handle, 2), (handle, 5)], release) == 1
+    assert devices.release_unclaimed([(handle, 2), (handle, 5)], release) == 1
     assert count(2) == 0 and count(5) == 0
-    assert staging.release_unclaimed([(handle, 2)], release) == 0  # never below zero
-    assert staging.release_unclaimed([(b"/grctl_test_gone", 0)], release) == 0
+    assert devices.release_unclaimed([(handle, 2)], release) == 0  # never below zero
+    assert devices.release_unclaimed([(b"/grctl_test_gone", 0)], release) == 0

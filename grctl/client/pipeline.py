@@ -15,9 +15,10 @@ from dataclasses import dataclass
 import torch
 
 from grctl.client.calls import body_never_read
+from grctl.client.devices import release_unclaimed
 from grctl.client.http import ClientTimeout, GRClient
 from grctl.client.outcome import ServerOutcome
-from grctl.client.staging import BucketPlan, StagedBucket, release_unclaimed, stage
+from grctl.client.staging import BucketPlan, BufferPool, StagedBucket, stage
 from grctl.weights.checkpoint import Checkpoint
 
 
@@ -95,11 +96,15 @@ def push_buckets(
     been settled and freed."""
     alive = list(targets)
     flight: InFlight | None = None
+    # the bucket in flight and the one being staged: two buffers, reused by every bucket
+    buffers = None
+    if plans:
+        buffers = BufferPool(max(p.nbytes for p in plans), device, min(2, len(plans)))
     try:
         for plan in plans:
             if not alive:
                 break
-            bucket = stage(ckpt, plan, device)  # overlaps with the previous bucket's calls
+            bucket = stage(ckpt, plan, device, buffers)  # overlaps with the previous bucket's calls
             if flight is not None:
                 previous, flight = flight, None
                 alive = settle(previous, len(plans))

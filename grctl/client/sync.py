@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from grctl.client import staging
+from grctl.client import devices, staging
 from grctl.client.http import DEFAULT_URL, GRClient
 from grctl.client.outcome import Progress, ServerOutcome, SyncError, SyncResult
 from grctl.client.pipeline import PushOptions, Target, push_buckets
@@ -168,7 +168,7 @@ class WeightSync:
         groups: dict[tuple, list[ServerOutcome]] = {}
         for out in (o for o in result.servers if o.ok):
             try:
-                device = staging.stage_device(out.device, self.stage_device, out.gpu_uuid)
+                device = devices.stage_device(out.device, self.stage_device, out.gpu_uuid)
             except GrctlError as exc:
                 out.fail("push", exc)
                 continue

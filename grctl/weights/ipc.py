@@ -55,7 +55,7 @@ class Shares:
     segments: each CPU storage shared by name carries one extra reference that the receiver's
     rebuild consumes (`release_segments` drops it instead). counters: each CUDA share gets a
     reference counter (a slot in a shared-memory file) set to 1, which the receiver decrements
-    when it lets the tensor go (staging.release_unclaimed reads and releases those)."""
+    when it lets the tensor go (client.devices.release_unclaimed reads and releases those)."""
 
     def __init__(self) -> None:
         self.segments: list[torch.UntypedStorage] = []
