@@ -1,0 +1,123 @@
+"""The GPU checks in one run (at most 8 minutes on one H200), JSON to $OUT/gpu_smoke.json.
+
+    python bench/gpu_smoke.py                 # on the CUDA machine (bench/gpu_check.sh calls it)
+    python bench/gpu_smoke.py --dry-run       # CPU, tiny shapes: checks the script end to end
+
+Sections, each timed, each failure recorded without stopping the others:
+- tests: the gpu-marked tests (pytest -m gpu);
+- graphs: CUDA-graph decode against eager decode on a mixed batch (widths 4, 3, 20, 1), then
+  again after an in-place weight update; the replay count grows and the outputs move with the
+  weights, so the graphs replay real work;
+- generate: Qwen3-0.6B and 8B shapes, random bf16 weights built in place, prompt 5000, beam 256,
+  3 new tokens, 1 and 8 requests: CUDA-event times of each prefill and decode call, peak memory,
+  a profiler top-10; transformers' prefill of the same prompt beside (its beam search at 256
+  would copy the context KV per beam: more than the GPU holds);
+- ipc: a child process stages the 0.6B model's weights in CUDA buckets and sends the payloads;
+  this process applies them through the weight sink; checksums, times against a
+  device-to-device copy of the same bytes, memory back to baseline on both sides;
+- disk: the 0.6B checkpoint loaded by /update_weights_from_disk's path from the page cache.
+Every ratio is printed beside the reference measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.gpu_smoke_parts import (  # noqa: E402
+    SHAPES,
+    disk_part,
+    generate_part,
+    graphs_part,
+    ipc_child,
+    ipc_part,
+)
+
+BUDGET_S = 480.0  # the machine's limit for the whole script
+
+
+def tests_part(dry_run: bool, timeout: float) -> dict:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests", "-p", "no:cacheprovider"]
+    if dry_run:
+        cmd.append("--collect-only")
+    t0 = time.monotonic()
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    return {
+        "returncode": done.returncode,
+        "summary": lines[-1] if lines else "",
+        "tail": lines[-15:],
+        "seconds": round(time.monotonic() - t0, 1),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, seconds")
+    ap.add_argument("--only", nargs="*", help="run only these sections")
+    ap.add_argument("--ipc-child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.ipc_child:
+        return ipc_child(args.dry_run)
+    out_dir = Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="grctl-gpu-smoke-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: run with --dry-run on a CPU machine", file=sys.stderr)
+        return 1
+    deadline = time.monotonic() + BUDGET_S
+    report: dict = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "dry_run": args.dry_run,
+        "sections": {},
+    }
+    shapes = ["tiny"] if args.dry_run else ["0.6b", "8b"]
+    sections = [
+        ("tests", lambda: tests_part(args.dry_run, min(170.0, deadline - time.monotonic()))),
+        ("graphs", lambda: graphs_part(device)),
+        *[
+            (f"generate_{s}", lambda s=s: generate_part(device, SHAPES[s], args.dry_run))
+            for s in shapes
+        ],
+        ("ipc", lambda: ipc_part(device, args.dry_run, deadline)),
+        ("disk", lambda: disk_part(device, args.dry_run)),
+    ]
+    for name, run in sections:
+        if args.only and name not in args.only:
+            continue
+        left = deadline - time.monotonic()
+        if left < 20:
+            report["sections"][name] = {"skipped": f"out of time ({left:.0f} s left)"}
+            continue
+        t0 = time.monotonic()
+        try:
+            result = run()
+        except Exception as exc:  # one section's failure must not hide the others' figures
+            result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        result["section_seconds"] = round(time.monotonic() - t0, 1)
+        report["sections"][name] = result
+        for line in result.get("ratios", []):
+            print(f"[{name}] {line}", flush=True)
+        if "error" in result:
+            print(f"[{name}] ERROR {result['error']}", flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        (out_dir / "gpu_smoke.json").write_text(json.dumps(report, indent=2, default=str))
+    print(f"wrote {out_dir / 'gpu_smoke.json'}", flush=True)
+    return 0 if all("error" not in s for s in report["sections"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
