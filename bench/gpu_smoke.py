@@ -85,7 +85,7 @@ def main() -> int:
     }
     shapes = ["tiny"] if args.dry_run else ["0.6b", "8b"]
     sections = [
-        ("tests", lambda: tests_part(args.dry_run, min(170.0, deadline - time.monotonic()))),
+        ("tests", lambda: tests_part(args.dry_run, min(150.0, deadline - time.monotonic()))),
         ("graphs", lambda: graphs_part(device)),
         *[
             (f"generate_{s}", lambda s=s: generate_part(device, SHAPES[s], args.dry_run))

@@ -96,11 +96,9 @@ def graphs_part(device: torch.device) -> dict:
 
     model = build(SHAPES["tiny"], device, torch.float32, seed=3)
     graphed = Engine(model, EngineConfig(device=str(device)))
-    if device.type == "cuda":
-        graphed.start()  # captures every bucket (in its own thread, on the model's device)
-        graphed.stop(drain=False)
-    else:
-        graphed.runner.graphs = DecodeGraphs(model, device, (4, 16), capture=EagerPiece)
+    # steps run by hand in this thread (no worker): capture here, on the model's device
+    capture = {"capture": EagerPiece} if device.type == "cpu" else {}
+    graphed.runner.graphs = DecodeGraphs(model, device, (4, 16), **capture)
     eager = Engine(model, EngineConfig(device=str(device), cuda_graph=False))
     gen = torch.Generator().manual_seed(0)
     reqs = [
@@ -162,9 +160,10 @@ def generate_part(device: torch.device, shape: dict, dry_run: bool) -> dict:
             prefill_token_budget=prompt_len,
         ),
     )
-    if device.type == "cuda":
-        eng.start()
-        eng.stop(drain=False)  # graphs captured; steps run by hand below
+    if device.type == "cuda":  # one bucket: a beam-256 request decodes through graphs
+        from grctl.engine.cuda_graphs import DecodeGraphs
+
+        eng.runner.graphs = DecodeGraphs(model, device, (width,))
     timer, log = Timer(device), []
     timed_calls(eng.runner, timer, log)
     gen = torch.Generator().manual_seed(1)
@@ -235,9 +234,11 @@ def hf_prefill_ms(model: Qwen3ForCausalLM, prompt: list[int], device, timer: Tim
     cfg = model.config
     hf_cfg = transformers.Qwen3Config(**{**cfg.to_hf(), **HF_SHAPE})
     with torch.device("meta"):
-        hf = transformers.Qwen3ForCausalLM(hf_cfg)
-    hf = hf.to_empty(device=device).to(next(model.parameters()).dtype).eval()
+        hf = transformers.Qwen3ForCausalLM(hf_cfg).to(next(model.parameters()).dtype)
+    hf = hf.to_empty(device=device).eval()
     hf.load_state_dict(hf_state_dict(model), strict=False, assign=False)
+    rotary = type(hf.model.rotary_emb)  # its inv_freq buffer is not in the state dict
+    hf.model.rotary_emb = rotary(hf_cfg).to(device)
     ids = torch.tensor([prompt], device=device)
     with torch.no_grad():
         hf(ids, logits_to_keep=1)  # warm-up
