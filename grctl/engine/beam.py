@@ -3,13 +3,14 @@
 Beam search of width n keeps what transformers' `generate(num_beams=n, length_penalty=0,
 early_stopping=False)` keeps: n running beams and a pool of the n best finished ones, scored by
 cumulative log-probability. Each step (beam_select.py) ranks the K best expansions of the running
-beams (K = n * max(2, 1 + stop tokens), transformers' `beams_to_keep`). A candidate that ends its
-sequence (a stop token, a completed catalog item, or the last allowed token) joins the pool only
-if it ranks among the first n; the first n candidates that do not end become the running beams.
-With a catalog, a beam that is short of n valid paths simply has fewer beams: a dead beam has
-score -inf and is never returned. n == 1 is the same with K = 1 and a Sampler choosing the token.
-The search ends when no beam runs, at max_new_tokens, or when the pool is full and no running
-beam can beat its worst entry (log-probabilities only fall, so this changes no result).
+beams (K = n * max(2, 1 + stop tokens), transformers' `beams_to_keep`; K = n when no beam can
+end before the last step). A candidate that ends its sequence (a stop token, a completed catalog
+item, or the last allowed token) joins the pool only if it ranks among the first n; the first n
+candidates that do not end become the running beams. A request short of n valid catalog paths
+has fewer beams: a dead beam has score -inf and is never returned. n == 1 is the same with
+K = 1 and a Sampler choosing the token. The search ends when no beam runs, at max_new_tokens,
+or when the pool is full and no running beam can beat its worst entry (log-probabilities only
+fall, so stopping there changes no result).
 """
 
 from __future__ import annotations
@@ -48,7 +49,12 @@ class Beams:
         self.trie = trie
         self.stop_ids = stop_ids
         self.stop_tensor = torch.tensor(stop_ids, dtype=torch.int64, device=device)
-        self.num_candidates = 1 if n == 1 else min(max(2, 1 + len(stop_ids)) * n, n * vocab_size)
+        # transformers ranks n * max(2, 1 + stop tokens) candidates, so that n survive even when
+        # some end early; with no stop token and no catalog nothing ends before the last step,
+        # and the best n are all that is ever used
+        can_end_early = bool(stop_ids) or trie is not None
+        width = max(2, 1 + len(stop_ids)) * n if can_end_early else n
+        self.num_candidates = 1 if n == 1 else min(width, n * vocab_size)
         self.tokens = torch.full((n, t), -1, dtype=torch.int64, device=device)  # -1: none
         self.token_logprobs = torch.zeros((n, t), dtype=torch.float32, device=device)
         self.scores = torch.full((n,), NEG_INF, dtype=torch.float32, device=device)
