@@ -17,8 +17,8 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.table import Table
 
-from grctl.cli_client import ApiKey, Row, Timeout, Urls, console, each_server, finish
 from grctl.cli_output import Json, command_output
+from grctl.cli_servers import ApiKey, Row, Timeout, Urls, console, each_server, finish
 from grctl.errors import ValidationError
 
 catalog_app = typer.Typer(
