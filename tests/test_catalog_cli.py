@@ -103,6 +103,8 @@ def test_status_reload_rollback_json_and_typed_client(tmp_path):
         assert out.returncode == 1 and "cannot be read" in out.stderr
         out = grctl("catalog", "status", *url)  # the table, for people
         assert out.returncode == 0 and "v1.jsonl" in out.stdout
+        out = grctl("status", *url)  # the server's compact view names its catalog
+        assert out.returncode == 0 and "catalog" in out.stdout and "400 items" in out.stdout
 
 
 def test_serve_refuses_a_bad_catalog_at_start(tmp_path):

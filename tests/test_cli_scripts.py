@@ -68,7 +68,7 @@ def test_status_json_and_compact_view(servers):
     assert doc["command"] == "status" and doc["ok"] is True
     assert [s["url"] for s in doc["servers"]] == [guarded.url, plain.url]
     for s in doc["servers"]:
-        assert s["ok"] and set(s["reply"]) == STATUS_SECTIONS
+        assert s["ok"] and STATUS_SECTIONS <= set(s["reply"])
         live = httpx.get(s["url"] + "/status", headers={"X-GR-API-Key": KEY}).json()
         assert s["reply"]["weights"] == live["weights"]
         assert s["reply"]["engine"]["device"] == live["engine"]["device"] == "cpu"

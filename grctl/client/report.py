@@ -173,6 +173,13 @@ def status_view(url: str, status: Status) -> Table:
     else:
         facts = "off"
     table.add_row("prefill cache", facts)
+    catalog = status.sections.get("catalog") or {}
+    if catalog.get("loaded"):
+        table.add_row(
+            "catalog",
+            f"version {catalog.get('version')}, {catalog.get('num_items', 0)} items"
+            f" ({catalog.get('source')})",
+        )
     graphs = "cuda graphs on" if eng.get("cuda_graph", {}).get("enabled") else "eager"
     errors = eng.get("errors", 0)
     table.add_row(
