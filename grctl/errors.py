@@ -99,6 +99,18 @@ class NotReady(GrctlError):
     code, status, retryable = "not_ready", 503, True
 
 
+class PauseTimeout(GrctlError):
+    """The step running when a pause came did not end in time: paused, but not yet quiet."""
+
+    code, status, retryable = "pause_timeout", 503, True
+
+
+class Unavailable(GrctlError):
+    """A 503 with no more specific cause (not one grctl itself raises)."""
+
+    code, status, retryable = "unavailable", 503, True
+
+
 class GenerateTimeout(GrctlError):
     code, status, retryable = "generate_timeout", 504, True
 
@@ -121,6 +133,8 @@ ERRORS_BY_CODE: dict[str, type[GrctlError]] = {
         WeightsInconsistent,
         MemoryReleased,
         NotReady,
+        PauseTimeout,
+        Unavailable,
         GenerateTimeout,
     )
 }

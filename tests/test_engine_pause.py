@@ -13,7 +13,7 @@ import pytest
 from grctl.engine.config import EngineConfig
 from grctl.engine.engine import Engine
 from grctl.engine.request import GenerateRequest, SamplingParams
-from grctl.errors import Paused
+from grctl.errors import NotReady, Paused, PauseTimeout
 from tests.test_model_parity import hf_and_ours
 
 PROMPTS = [tuple(range(5, 25)), tuple(range(40, 47)), tuple(range(60, 91))]
@@ -141,3 +141,39 @@ def test_pause_abort_with_the_worker_running(model):
     eng.stop()
     assert aborted == sum(r.finish_reason == "abort" for r in results)
     assert eng.num_in_flight() == 0
+
+
+def test_pause_gives_up_when_the_step_does_not_end(model):
+    """A step that never ends (a hung kernel) must not hang /pause_generation: after
+    pause_timeout_s it is a retryable 503 pause_timeout, and no new step starts meanwhile."""
+    eng = Engine(model, EngineConfig(pause_timeout_s=0.3))
+    eng.submit(requests()[0])
+    with eng._cond:
+        eng._computing = True  # the worker is inside a step that does not come back
+    t0 = time.monotonic()
+    with pytest.raises(PauseTimeout, match="did not end within 0.3 s") as err:
+        eng.pause("abort")
+    assert time.monotonic() - t0 < 5
+    assert (err.value.status, err.value.code, err.value.retryable) == (503, "pause_timeout", True)
+    assert eng.is_paused and eng.num_in_flight() == 1  # paused, nothing aborted yet
+    with eng._cond:
+        eng._computing = False  # the step ends after all: a second pause goes through
+    assert eng.pause("abort") == 1
+
+
+def test_a_dead_worker_refuses_requests(model):
+    """A worker thread that died takes no more requests: 503 not_ready, never a request that
+    waits for a worker that is gone."""
+    eng = Engine(model, EngineConfig())
+
+    def die() -> bool:
+        raise SystemExit  # what no `except Exception` in the worker catches
+
+    eng.run_step = die
+    eng.start()
+    eng.submit(requests()[0])  # wakes the worker, which dies on it
+    eng._thread.join(5)
+    assert not eng.is_worker_alive
+    with pytest.raises(NotReady, match="worker") as err:
+        eng.submit(requests()[1])
+    assert (err.value.status, err.value.code, err.value.retryable) == (503, "not_ready", True)

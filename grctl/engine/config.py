@@ -72,6 +72,9 @@ class EngineConfig:
     weight_version: str = knob(
         "default", "Version reported until the first update.", "Weight updates"
     )
+    pause_timeout_s: float = knob(
+        60.0, "Longest wait for the running step when pausing.", "Weight updates", min=0.0
+    )
 
     def __post_init__(self) -> None:
         check_knobs(self)

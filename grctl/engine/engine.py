@@ -24,11 +24,16 @@ from grctl.errors import (
     NotReady,
     Overloaded,
     Paused,
+    PauseTimeout,
     ValidationError,
     WeightsInconsistent,
 )
 
 PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+def mode_done(mode: str) -> str:
+    return {"abort": "aborted", "retract": "retracted"}.get(mode, "frozen")
 
 
 class Engine(EngineCore):
@@ -49,6 +54,11 @@ class Engine(EngineCore):
         with self._cond:
             if self._stopping:
                 raise NotReady("the engine is stopping", hint="retry on another server")
+            if self._thread is not None and not self._thread.is_alive():
+                raise NotReady(
+                    "the engine's worker thread has stopped; no request would run",
+                    hint="restart the server (its log says why the worker ended)",
+                )
             if self.pause_mode is not None:
                 raise Paused("generation is paused", hint="retry after /continue_generation")
             if self.memory.released:
@@ -169,9 +179,16 @@ class Engine(EngineCore):
         running requests' KV and queue them again from their prompt; in_place: freeze them."""
         if mode not in PAUSE_MODES:
             raise ValidationError(f"pause mode must be one of {', '.join(PAUSE_MODES)}")
+        timeout = self.config.pause_timeout_s
         with self._cond:
-            self.pause_mode = mode
-            self._cond.wait_for(lambda: not self._computing)
+            self.pause_mode = mode  # from here no new step starts
+            if not self._cond.wait_for(lambda: not self._computing, timeout):
+                raise PauseTimeout(
+                    f"paused, but the running step did not end within {timeout:g} s, so its "
+                    f"requests are not {mode_done(mode)} yet",
+                    hint="retry /pause_generation; if it keeps failing the engine is stuck: "
+                    "restart the server",
+                )
             if mode == "abort":
                 return self._abort_all_locked()
             if mode == "retract":

@@ -26,7 +26,7 @@ CODES_BY_STATUS = {
     413: "payload_too_large",
     429: "overloaded",
     500: "internal_error",
-    503: "paused",
+    503: "unavailable",  # a cause grctl knows has its own GrctlError (paused, not_ready, ...)
     504: "generate_timeout",
 }
 
