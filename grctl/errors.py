@@ -111,6 +111,12 @@ class Unavailable(GrctlError):
     code, status, retryable = "unavailable", 503, True
 
 
+class ClientDisconnected(GrctlError):
+    """The client closed the connection before its reply; its requests were cancelled."""
+
+    code, status = "client_disconnected", 499  # nginx's "client closed request"
+
+
 class GenerateTimeout(GrctlError):
     code, status, retryable = "generate_timeout", 504, True
 
@@ -135,6 +141,7 @@ ERRORS_BY_CODE: dict[str, type[GrctlError]] = {
         NotReady,
         PauseTimeout,
         Unavailable,
+        ClientDisconnected,
         GenerateTimeout,
     )
 }

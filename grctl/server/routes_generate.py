@@ -8,7 +8,7 @@ loop. /generate takes one prompt or, as SGLang does, a batch: input_ids [[...], 
 
 from __future__ import annotations
 
-from litestar import get, post
+from litestar import Request, get, post
 from litestar.datastructures import State
 from litestar.params import Parameter
 from litestar.status_codes import HTTP_202_ACCEPTED
@@ -17,6 +17,7 @@ from grctl.engine.request import GenerateRequest, GenerateResult
 from grctl.engine.validation import validate_request
 from grctl.errors import DuplicateRequestId, PayloadTooLarge
 from grctl.errors import ValidationError as BadRequest
+from grctl.server.disconnect import unless_disconnected
 from grctl.server.offload import offload
 from grctl.server.schemas import (
     AbortRequestBody,
@@ -57,10 +58,12 @@ async def run_to_end(state: State, reqs: list[GenerateRequest]) -> list[Generate
     responses=error_responses(400, 409, 413, 429, 503, 504),
 )
 async def generate(
-    state: State, data: GenerateBody | None = None
+    state: State, request: Request, data: GenerateBody | None = None
 ) -> GenerateResponse | list[GenerateResponse]:
     reqs, is_batch = to_requests(data or GenerateBody(), state.tokenizer)
-    replies = [to_response(r, state.tokenizer) for r in await run_to_end(state, reqs)]
+    # A client that goes away cancels its requests (run_to_end's on_cancel).
+    results = await unless_disconnected(request, lambda: run_to_end(state, reqs))
+    replies = [to_response(r, state.tokenizer) for r in results]
     return replies if is_batch else replies[0]
 
 
