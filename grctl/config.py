@@ -13,6 +13,7 @@ from typing import Any
 
 from grctl.engine.config import EngineConfig
 from grctl.knobs import Knob, check_knobs, knob, knobs_of
+from grctl.server.logs import LOG_FORMATS, LOG_LEVELS
 
 MiB = 1 << 20
 
@@ -32,6 +33,8 @@ class ServeConfig:
     max_http_submit_many: int = knob(32, "Most requests in one /submit_many.", "HTTP", min=1)
     generate_timeout_s: float = knob(300.0, "/generate answers 504 after this.", "HTTP", min=0.001)
     log_requests: bool = knob(False, "Log one JSON line per request (stderr).", "HTTP")
+    log_level: str = knob("info", "Server log level.", "HTTP", choices=LOG_LEVELS)
+    log_format: str = knob("text", "Server log lines: text or json.", "HTTP", choices=LOG_FORMATS)
     metrics_auth: bool = knob(False, "Require the API key on /metrics too.", "HTTP")
     served_model_name: str | None = knob(None, "Name to report; default: the path.", "Model")
     router_url: str | None = knob(None, "sglang-router to join (leave at exit).", "HTTP")

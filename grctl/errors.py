@@ -45,6 +45,10 @@ class Forbidden(GrctlError):
     code, status = "forbidden", 403
 
 
+class WrongApiKey(Forbidden):
+    """The API key sent is not the server's (the wire code stays `forbidden`)."""
+
+
 class RouteDisabled(GrctlError):
     code, status = "route_disabled", 403
 

@@ -136,5 +136,6 @@ def create_app(engine: Any, config: ServeConfig, tokenizer: Any | None = None) -
         exception_handlers=EXCEPTION_HANDLERS,
         request_max_body_size=None,  # BodyLimitMiddleware is the one place the limit lives
         openapi_config=openapi_config(),
+        logging_config=None,  # `grctl serve` configures logging once (server/logs.py)
         debug=False,
     )

@@ -3,7 +3,8 @@
 Off without --api-key. Handlers with `opt={"auth_exempt": True}` (/health, /ready) skip it, and
 so does /metrics (`opt={"metrics": True}`) unless --metrics-auth: scrapers of SGLang and vLLM
 expect it open.
-A missing key is 401 unauthorized (with WWW-Authenticate), a wrong one 403 forbidden.
+A missing key is 401 unauthorized (with WWW-Authenticate), a wrong one 403 forbidden; the error
+handler logs both as auth_failure (server/logs.py), never with the key.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import hmac
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 
-from grctl.errors import Forbidden, Unauthorized
+from grctl.errors import Unauthorized, WrongApiKey
 
 
 def presented_key(connection: ASGIConnection) -> str | None:
@@ -39,6 +40,6 @@ def api_key_guard(connection: ASGIConnection, route_handler: BaseRouteHandler) -
             hint="send X-GR-API-Key: <key> or Authorization: Bearer <key>",
         )
     if not hmac.compare_digest(key.encode(), expected.encode()):
-        raise Forbidden(
+        raise WrongApiKey(
             "wrong API key", hint="send the key the server was started with (--api-key, GR_API_KEY)"
         )

@@ -12,7 +12,8 @@ import logging
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 
-from grctl.errors import GrctlError, Unauthorized
+from grctl.errors import GrctlError, Unauthorized, WrongApiKey
+from grctl.server import logs
 
 log = logging.getLogger("grctl.server")
 
@@ -38,7 +39,19 @@ def error_response(
     status: int,
     retryable: bool = False,
     headers: dict[str, str] | None = None,
+    event: str = "refused",
 ) -> Response:
+    """The error reply, and its one log line (`event`: refused, or auth_failure)."""
+    logs.event(
+        event,
+        logging.ERROR if status >= 500 and status != 503 else logging.WARNING,
+        code=code,
+        status=status,
+        method=request.method,
+        path=request.url.path,
+        client=request.client.host if request.client else None,
+        message=message[:300],
+    )
     error = {"code": code, "message": message, "retryable": retryable, "status": status}
     body: dict = {"error": error}
     handler = request.scope.get("route_handler")
@@ -51,7 +64,8 @@ def grctl_error_handler(request: Request, exc: GrctlError) -> Response:
     headers = (
         {"WWW-Authenticate": 'Bearer realm="grctl"'} if isinstance(exc, Unauthorized) else None
     )
-    return error_response(request, exc.code, str(exc), exc.status, exc.retryable, headers)
+    event = "auth_failure" if isinstance(exc, (Unauthorized, WrongApiKey)) else "refused"
+    return error_response(request, exc.code, str(exc), exc.status, exc.retryable, headers, event)
 
 
 def validation_message(exc: ValidationException) -> str:

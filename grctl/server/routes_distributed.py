@@ -13,6 +13,7 @@ from litestar.datastructures import State
 from grctl.server.offload import offload
 from grctl.server.routes_weights import (
     UPDATE_OPT,
+    log_update,
     require_weights,
     update_options,
     weight_update_guard,
@@ -82,6 +83,7 @@ async def update_weights_from_distributed(
         load_format=body.load_format,
         **update_options(body),
     )
+    log_update(state, "distributed", outcome)
     return SuccessResponse(
         success=True,
         message=f"Succeeded to update {outcome.tensors_loaded} tensors from group "

@@ -20,6 +20,7 @@ from litestar.datastructures import State
 from litestar.handlers.base import BaseRouteHandler
 
 from grctl.errors import Forbidden, RouteDisabled, ValidationError
+from grctl.server import logs
 from grctl.server.offload import offload
 from grctl.server.schemas_weights import (
     ContinueResponse,
@@ -63,12 +64,14 @@ def require_weights(state: State) -> None:
 async def pause_generation(state: State, data: PauseBody | None = None) -> PauseResponse:
     mode = (data or PauseBody()).mode
     num = await offload(state, state.engine.pause, mode)
+    logs.event("pause", mode=mode, aborted=num)
     return PauseResponse(paused=True, mode=mode, num_aborted_requests=num)
 
 
 @post("/continue_generation", status_code=200, summary="Resume generation after a pause")
 async def continue_generation(state: State) -> ContinueResponse:
     state.engine.resume()
+    logs.event("continue")
     return ContinueResponse(paused=False)
 
 
@@ -91,6 +94,7 @@ async def update_weight_version(
     if new_version is None:
         raise ValidationError("new_version is required")
     await offload(state, state.updater.set_version, new_version, body.abort_all_requests)
+    logs.event("weight_version", version=new_version)
     return UpdateWeightVersionResponse(
         success=True, new_version=new_version, message=f"Weight version updated to {new_version}"
     )
@@ -204,7 +208,9 @@ async def update_weights_from_disk(
         **update_options(body),
     )
     state.model_path = path
-    return update_response(state, outcome, "Succeeded to update model weights from disk.", path)
+    return update_response(
+        state, outcome, "Succeeded to update model weights from disk.", path, transport="disk"
+    )
 
 
 @post(
@@ -228,7 +234,9 @@ async def update_weights_from_tensor(
         body.load_format,
         **update_options(body),
     )
-    return update_response(state, outcome, "Succeeded to update model weights from tensor.")
+    return update_response(
+        state, outcome, "Succeeded to update model weights from tensor.", transport="tensor"
+    )
 
 
 def refuse_custom_loader(load_format: str | None) -> None:
@@ -253,8 +261,11 @@ def update_options(body) -> dict:
     }
 
 
-def update_response(state: State, outcome, message: str, model_dir: str | None = None):
+def update_response(
+    state: State, outcome, message: str, model_dir: str | None = None, *, transport: str
+):
     info = state.updater.info
+    log_update(state, transport, outcome)
     return UpdateWeightsResponse(
         success=True,
         message=message,
@@ -265,6 +276,19 @@ def update_response(state: State, outcome, message: str, model_dir: str | None =
         weight_version=info.weight_version,
         token_step=info.token_step,
         elapsed_ms=outcome.elapsed_ms,
+    )
+
+
+def log_update(state: State, transport: str, outcome) -> None:
+    logs.event(
+        "weight_update",
+        transport=transport,
+        tensors=outcome.tensors_loaded,
+        bytes=outcome.num_bytes,
+        ms=outcome.elapsed_ms,
+        version=state.updater.info.weight_version,
+        aborted=outcome.num_aborted_requests,
+        flushed_cache=outcome.flushed_cache,
     )
 
 

@@ -8,13 +8,13 @@ aborted at the signal (GrctlServer), since they could never finish.
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 
 import uvicorn
 
 from grctl.config import ServeConfig
 from grctl.engine.engine import Engine
+from grctl.server import logs
 from grctl.server.app import DRAIN_TIMEOUT_S, create_app
 from grctl.weights.loader import DEFAULT_MODEL_NAME, load_model, resolve_device
 
@@ -29,18 +29,9 @@ def build_engine(config: ServeConfig) -> Engine:
     return Engine(model, cfg)
 
 
-def setup_logging() -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger("grctl")
-    root.addHandler(handler)
-    root.setLevel(logging.INFO)
-    root.propagate = False
-
-
 def serve(config: ServeConfig) -> None:
     """Run the server until SIGINT/SIGTERM, then drain and stop."""
-    setup_logging()
+    logs.configure(config.log_level, config.log_format)
     engine = build_engine(config)
     app = create_app(engine, config)
     if config.catalog is not None:
@@ -62,7 +53,8 @@ def serve(config: ServeConfig) -> None:
         app,
         host=config.host,
         port=config.port,
-        log_level="info",
+        log_level=config.log_level,
+        log_config=None,  # uvicorn's loggers write through grctl's handler (server/logs.py)
         access_log=False,  # --log-requests writes one JSON line per request instead
         timeout_graceful_shutdown=int(DRAIN_TIMEOUT_S),
         lifespan="on",

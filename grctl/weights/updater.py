@@ -48,6 +48,7 @@ class UpdateOutcome:
     num_aborted_requests: int
     flushed_cache: bool
     elapsed_ms: float
+    num_bytes: int = 0  # written into the model, in its dtype
 
 
 class WeightUpdater:
@@ -96,7 +97,8 @@ class WeightUpdater:
                     self.info.weight_update_count += 1
             elapsed_ms = (time.perf_counter() - t0) * 1000.0
             self.info.last_weight_update_ms = round(elapsed_ms, 3)
-        return UpdateOutcome(loaded, num_aborted, flushed, round(elapsed_ms, 3))
+        num_bytes = sum(w.dst.numel() * w.dst.element_size() for w in writes)
+        return UpdateOutcome(loaded, num_aborted, flushed, round(elapsed_ms, 3), num_bytes)
 
     def read(self, fn: Callable[..., T], *args) -> T:
         """Run a read of the live weights (get_weights_by_name, weights_checker) between two
