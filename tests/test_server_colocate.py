@@ -12,7 +12,8 @@ import shutil
 import pytest
 import torch
 
-from grctl.client import WeightSync
+from grctl.client import GRClient, WeightSync
+from grctl.errors import MemoryReleased
 from tests.checkpoints import load_hf, write_checkpoint
 from tests.serverproc import assert_error, running_server
 
@@ -134,6 +135,23 @@ def test_batch_of_texts(tmp_path, tiny_checkpoint):
         want = hf_greedy(hf, prompt, 3)
         assert reply["output_ids"] == want
         assert reply["text"] == " ".join(f"t{i}" for i in want)
+
+
+def test_client_batch_and_memory_calls(srv, ckpts):
+    with GRClient(srv.url) as gr:
+        version = gr.get_weight_version().weight_version
+        hf = load_hf(ckpts[0] if version == "default" else ckpts[1])
+        replies = gr.generate_batch(
+            PROMPTS, [{"max_new_tokens": n} for n in (1, 2, 3)], rid=["p", "q", "r"]
+        )
+        assert [r.meta_info.id for r in replies] == ["p", "q", "r"]
+        for reply, prompt, n in zip(replies, PROMPTS, (1, 2, 3), strict=True):
+            assert reply.output_ids == hf_greedy(hf, prompt, n)
+        assert gr.release_memory_occupation(["kv_cache"]).released == ["kv_cache"]
+        with pytest.raises(MemoryReleased):
+            gr.generate(PROMPTS[0], max_new_tokens=2)
+        assert gr.resume_memory_occupation().released == []
+        assert gr.server_info().enable_memory_saver is True
 
 
 @pytest.mark.parametrize("tags", [["kv"], "weights", [3]])

@@ -12,6 +12,7 @@ from typing import Any
 
 from grctl.client import types as t
 from grctl.client.calls import Call, as_, compact, request_body, status_of, text
+from grctl.errors import ValidationError
 
 GROUP = "weight_update_group"
 
@@ -24,6 +25,22 @@ class Routes:
     def generate(self, input_ids=None, sampling_params=None, **kw: Any) -> t.GenerateResult:
         body = request_body(input_ids, sampling_params, **kw)
         return self._call(Call("POST", "/generate", as_(t.GenerateResult), body, kind="generate"))
+
+    def generate_batch(
+        self, prompts: Sequence[Sequence[int]], sampling_params=None, **kw: Any
+    ) -> list[t.GenerateResult]:
+        """One /generate for many prompts (SGLang's batch): one reply per prompt, in order.
+        `sampling_params` and `rid` may be one for all or a list with one per prompt."""
+        per_prompt = isinstance(sampling_params, (list, tuple))
+        body = request_body(
+            [list(p) for p in prompts], None if per_prompt else sampling_params, **kw
+        )
+        if per_prompt:
+            if body["sampling_params"]:
+                raise ValidationError("with one sampling_params per prompt, put options in each")
+            body["sampling_params"] = [dict(sp) for sp in sampling_params]
+        decode = as_(list[t.GenerateResult])
+        return self._call(Call("POST", "/generate", decode, body, kind="generate"))
 
     def submit(self, input_ids=None, sampling_params=None, **kw: Any) -> t.Submitted:
         body = request_body(input_ids, sampling_params, **kw)
@@ -101,6 +118,16 @@ class Routes:
 
     def catalog_rollback(self) -> t.CatalogStatus:
         return self._call(Call("POST", "/catalog/rollback", as_(t.CatalogStatus), {}))
+
+    # Memory (verl's colocated rollout; the server needs --enable-memory-saver)
+    def release_memory_occupation(self, tags: Sequence[str] | None = None) -> t.MemoryResult:
+        """Free device memory by tag (kv_cache, weights, cuda_graph; None: all)."""
+        body = {"tags": list(tags) if tags is not None else None}
+        return self._call(Call("POST", "/release_memory_occupation", as_(t.MemoryResult), body))
+
+    def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> t.MemoryResult:
+        body = {"tags": list(tags) if tags is not None else None}
+        return self._call(Call("POST", "/resume_memory_occupation", as_(t.MemoryResult), body))
 
     # Weight sync
     def pause_generation(self, mode: str = "abort") -> t.PauseResult:

@@ -108,16 +108,24 @@ class ServerInfo(Struct, kw_only=True):
     pp_size: int = 1
     ep_size: int = 1
     enable_memory_saver: bool = False
+    served_model_name: str = ""
     allow_weight_update: bool = False
     version: str = ""
 
 
 class ModelInfo(Struct, kw_only=True):
     model_path: str = ""
+    served_model_name: str = ""
     weight_version: str = ""
     is_generation: bool = True
     tokenizer_path: str | None = None
     vocab_size: int = 0
+
+
+class MemoryResult(Struct, kw_only=True):
+    success: bool = True
+    message: str = ""
+    released: list[str] = msgspec.field(default_factory=list)  # still released after the call
 
 
 class FlushResult(Struct, kw_only=True):
