@@ -63,7 +63,7 @@ def generate(
     except ValueError as exc:
         raise typer.BadParameter("input ids must be integers separated by commas") from exc
     for line in generate_offline(model_path, ids, max_new_tokens, n, device):
-        console.print(line, highlight=False)
+        typer.echo(line)  # tab-separated as made: rich would expand the tabs
 
 
 def show_version(value: bool) -> None:

@@ -21,6 +21,7 @@ from tests.serverproc import REPO_ROOT
 from tests.test_cli_client import cli_env
 from tests.test_cli_client import grctl as run_grctl
 from tests.test_client_sync import start_servers
+from tests.weight_helpers import hf_greedy
 
 pytestmark = pytest.mark.timeout(240)
 KEY = "sekret"
@@ -223,3 +224,22 @@ def test_shm_full_names_the_fixes():
     while [f for f in os.listdir("/dev/shm") if f.startswith(f"torch_{pid}_")]:
         assert time.monotonic() < deadline, "a shared-memory segment outlived its process"
         time.sleep(0.2)
+
+
+def test_model_export_then_generate_equals_transformers(tmp_path):
+    """README's offline commands: `grctl model export DIR` writes an HF checkpoint that
+    transformers loads, and `grctl generate` on it (and on the built-in model it came from)
+    prints transformers' greedy tokens."""
+    out = grctl("model", "export", str(tmp_path / "builtin"))
+    assert out.returncode == 0, out.stderr
+    assert {p.name for p in (tmp_path / "builtin").iterdir()} >= {"config.json",
+                                                                 "model.safetensors"}  # fmt: skip
+    want = hf_greedy(tmp_path / "builtin", [1, 300, 600], max_new_tokens=3)
+    for where in (["--model-path", str(tmp_path / "builtin")], []):
+        out = grctl("generate", "1,300,600", "--max-new-tokens", "3", "--device", "cpu", *where)
+        assert out.returncode == 0, out.stderr
+        rank, ids, score, reason = out.stdout.strip().split("\t")
+        assert rank == "0" and json.loads(ids) == want and reason == "length", out.stdout
+        assert score.startswith("score=-")
+    out = grctl("generate", "1,x,3")
+    assert out.returncode == 2 and "integers" in out.stderr
