@@ -19,6 +19,7 @@ from torch import nn
 from grctl.engine.device import synchronize
 from grctl.engine.model_config import ModelConfig
 from grctl.errors import GrctlError, WeightValidationError
+from grctl.weights import pinned
 from grctl.weights.dtypes import WEIGHT_DTYPES, name_of
 from grctl.weights.mapping import resolve
 
@@ -150,7 +151,8 @@ def copy(
     `read_into(name, dst)`, when given, may fill `dst` itself (a file read straight into the
     parameter: no staging buffer) and return True; those reads run on `workers` threads (a
     kernel copy per thread; pread releases the GIL). The rest are fetched one at a time and
-    copied with `copy_`.
+    copied with `copy_`; for a CUDA parameter with `read_into` given (a disk source), through
+    pinned host buffers, the next read overlapping the last copy (pinned.py).
 
     A failure once a write has begun (a short read, a file changed since validation, a fetched
     tensor of another shape) raises WeightCopyError: some parameters may already hold new
@@ -186,8 +188,14 @@ def copy(
             finally:
                 done = len(done_reads)
             pending = [w for w, ok in zip(order, served, strict=True) if not ok]
+        stager = pinned.stager_for([w.dst for w in pending]) if read_into is not None else None
         for w in pending:
             current = w.name
+            if stager is not None and w.dst.is_cuda:  # a file read into pinned memory, then DMA
+                started = True
+                stager.copy(w.name, w.dst, read_into, fetch)
+                done += 1
+                continue
             src = fetch(w.name)
             if tuple(src.shape) != tuple(w.dst.shape):
                 raise WeightValidationError(
@@ -197,6 +205,8 @@ def copy(
             w.dst.copy_(src)
             done += 1
             del src
+        if stager is not None:
+            stager.finish()
     except Exception as exc:
         if not started and isinstance(exc, GrctlError):
             raise
