@@ -15,7 +15,10 @@ Sections, each timed, each failure recorded without stopping the others:
 - ipc: a child process stages the 0.6B model's weights in CUDA buckets and sends the payloads;
   this process applies them through the weight sink; checksums, times against a
   device-to-device copy of the same bytes, memory back to baseline on both sides;
-- disk: the 0.6B checkpoint loaded by /update_weights_from_disk's path from the page cache.
+- disk: the 0.6B checkpoint loaded by /update_weights_from_disk's path from the page cache;
+- memory: release/resume_memory_occupation on the 0.6B shape (bench/bench_memory.py): device
+  memory before, released and resumed, times against a plain copy of the weights to pinned host
+  memory and back, graphs captured again, beam outputs equal after the resume.
 Every ratio is printed beside the reference measured in the same run.
 """
 
@@ -35,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.bench_memory import memory_part  # noqa: E402
 from bench.gpu_smoke_parts import (  # noqa: E402
     SHAPES,
     disk_part,
@@ -93,6 +97,7 @@ def main() -> int:
         ],
         ("ipc", lambda: ipc_part(device, args.dry_run, deadline)),
         ("disk", lambda: disk_part(device, args.dry_run)),
+        ("memory", lambda: memory_part(device, shapes[0], repeats=1 if args.dry_run else 2)),
     ]
     for name, run in sections:
         if args.only and name not in args.only:
