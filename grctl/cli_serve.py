@@ -16,11 +16,12 @@ from grctl.config import ServeConfig
 from grctl.engine.config import EngineConfig
 from grctl.knobs import PANELS, env_names, flag_name
 
+OLD_ENV = sorted(name for _, k in ServeConfig.knobs() for name in k.old_env)
 SERVE_HELP = (
     "Serve a model over HTTP with SGLang-compatible routes.\n\n"
     "Every flag can also be set by the environment variable GR_<FLAG>, the flag's name in"
     " capitals (--max-running-requests: GR_MAX_RUNNING_REQUESTS); a flag given on the command"
-    " line wins. The older names GR_HTTP_API_KEY and GR_USE_CUDA_GRAPH are still read."
+    f" line wins. Older names still read: {', '.join(OLD_ENV)}."
 )
 # Metavars short enough that every flag name fits beside them at 80 columns.
 METAVARS = {int: "INT", float: "NUM", str: "TEXT"}
