@@ -92,7 +92,7 @@ def main() -> None:
         code = app(standalone_mode=False)
     except ClickException as exc:  # usage errors: bad flag, bad value, missing option
         if "--json" in sys.argv[1:]:
-            print_json(usage_error_doc(exc.format_message()))
+            print_json(usage_error_doc(exc))
         rich_utils.rich_format_error(exc)
         sys.exit(exc.exit_code)
     except typer.Abort:  # EOF on a prompt

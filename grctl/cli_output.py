@@ -87,7 +87,12 @@ def command_output(command: str, is_json: bool) -> Iterator[Output]:
         raise
 
 
-def usage_error_doc(message: str) -> dict[str, Any]:
-    """A usage error (exit 2) as a JSON document, for `--json` runs that Click refused."""
-    return {"ok": False, "error": {"code": "usage_error", "message": message,
-                                   "retryable": False, "status": 0}}  # fmt: skip
+def usage_error_doc(exc: Any) -> dict[str, Any]:
+    """A usage error (exit 2, a Click exception) as a JSON document, for `--json` runs."""
+    names, ctx = [], getattr(exc, "ctx", None)
+    while ctx is not None and ctx.parent is not None:  # the root's name is the program's
+        names.append(ctx.info_name)
+        ctx = ctx.parent
+    doc = {"ok": False, "error": {"code": "usage_error", "message": exc.format_message(),
+                                  "retryable": False, "status": 0}}  # fmt: skip
+    return {"command": " ".join(reversed(names)), **doc} if names else doc

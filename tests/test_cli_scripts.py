@@ -54,7 +54,8 @@ def test_version_and_json_usage_error():
     out = grctl("pause", "--mode", "sideways", "--json")
     assert out.returncode == 2
     doc = one_json(out)
-    assert doc["ok"] is False and doc["error"]["code"] == "usage_error"
+    assert doc["command"] == "pause" and doc["ok"] is False
+    assert doc["error"]["code"] == "usage_error"
     assert "sideways" in doc["error"]["message"]
 
 
