@@ -15,6 +15,7 @@ as transformers implements them (same formulas, float32, same order of operation
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -102,8 +103,10 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
+@functools.lru_cache(maxsize=16)
 def inv_freq(head_dim: int, theta: float, rope: RopeScaling, device=None) -> torch.Tensor:
-    """[head_dim / 2] float32 inverse frequencies of every type but dynamic's growth."""
+    """[head_dim / 2] float32 inverse frequencies of every type but dynamic's growth. Computed
+    once per device (read-only): a CUDA graph capture then only reads it."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
     base = 1.0 / (theta**exponents)
     if rope.rope_type == "linear":
@@ -129,8 +132,8 @@ def _yarn(head_dim: int, theta: float, rope: RopeScaling, device) -> torch.Tenso
     low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    keep = 1 - ramp.to(device)  # 1: extrapolate (high frequencies), 0: interpolate
+    dims = torch.arange(head_dim // 2, dtype=torch.float32, device=device)
+    keep = 1 - ((dims - low) / (high - low)).clamp(0, 1)  # 1: extrapolate (high frequencies)
     return interpolated * (1 - keep) + extrapolated * keep
 
 
