@@ -206,6 +206,10 @@ def generate_part(device: torch.device, shape: dict, dry_run: bool) -> dict:
         f"{out['prefill_share_of_bf16_peak']:.3f} of bf16 peak (target >= 0.6 for 8B)",
     ]
     out["profile_top10"] = profile(eng, prompts[0], width, device)
+    from grctl.engine import attention
+
+    # False: the fused CUDA kernel refused a shape and decode fell back to the fp32 math path
+    out["decode_attention_fused"] = device.type != "cuda" or attention._cuda_fused[0]
     out["transformers_prefill_ms"] = hf_prefill_ms(model, prompts[0], device, timer)
     out["ratios"].append(
         f"transformers prefill of the same prompt: {out['transformers_prefill_ms']} ms vs "
