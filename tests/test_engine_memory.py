@@ -76,9 +76,11 @@ def test_verl_cycle_frees_weights_and_brings_them_back_exactly(pair):
 
 def test_tags_none_means_all_and_repeats_are_no_ops(pair):
     eng = Engine(pair[1], EngineConfig())
+    weight_bytes = sum(p.numel() * p.element_size() for p in pair[1].parameters())
     assert eng.release_memory(None) == ["cuda_graph", "kv_cache", "weights"]
     assert eng.release_memory(["weights"]) == ["cuda_graph", "kv_cache", "weights"]
-    assert eng.status()["engine"]["memory"]["offloaded_weight_bytes"] > 0
+    memory = eng.status()["engine"]["memory"]
+    assert memory["offloaded_weight_bytes"] == weight_bytes > 0
     assert eng.resume_memory([]) == []  # an empty list is all, as None
     assert eng.resume_memory(None) == []
     assert eng.status()["engine"]["memory"] == {"released": [], "offloaded_weight_bytes": 0}
@@ -118,3 +120,20 @@ def test_graphs_are_dropped_with_the_weights_and_captured_again(pair):
     assert again.stats()["buckets"] == [4, 8]
     assert greedy(eng, n=3) == want
     assert again.num_replays > 0
+
+
+def test_a_failed_recapture_serves_eagerly(pair):
+    hf, model = pair
+    eng = Engine(model, EngineConfig())
+    eng.runner.graphs = DecodeGraphs(model, torch.device("cpu"), buckets=(4,), capture=EagerPiece)
+    want = greedy(eng, n=3)
+    eng.release_memory(["cuda_graph"])
+
+    def no_memory_left(*_):
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    eng.memory._recapture = no_memory_left
+    assert eng.resume_memory(None) == []
+    assert eng.runner.graphs is None
+    assert "out of memory" in eng.status()["engine"]["last_error"]
+    assert greedy(eng, n=3) == want

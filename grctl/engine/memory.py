@@ -15,12 +15,15 @@ protocol; this class only moves memory and keeps the record.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 
 import torch
 
 from grctl.engine.device import bind_thread
 from grctl.errors import MemoryReleased, ValidationError
+
+log = logging.getLogger("grctl.engine")
 
 TAGS = ("kv_cache", "weights", "cuda_graph")
 
@@ -93,7 +96,11 @@ class MemorySaver:
         self.released.difference_update(todo)
         if not self.released and self._recapture is not None and engine.config.cuda_graph:
             factory, self._recapture = self._recapture, None
-            engine.runner.graphs = factory(engine.model, engine.device)
+            try:
+                engine.runner.graphs = factory(engine.model, engine.device)
+            except Exception as exc:  # serve eagerly rather than not at all (as at start)
+                log.exception("CUDA graph re-capture after resume failed; decode runs eagerly")
+                engine.stats.record_error(exc)
 
     def _restore_weights(self) -> None:
         for p, backup in self._backups:
@@ -110,5 +117,5 @@ class MemorySaver:
     def stats(self) -> dict:
         return {
             "released": sorted(self.released),
-            "offloaded_weight_bytes": sum(b.numel() for _, b in self._backups),
+            "offloaded_weight_bytes": sum(b.numel() * b.element_size() for _, b in self._backups),
         }
