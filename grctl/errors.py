@@ -99,6 +99,19 @@ class MemoryReleased(GrctlError):
     code, status, retryable = "memory_released", 503, True
 
 
+class WeightsMixed(GrctlError):
+    """The served tensors carry more than one version label (a sync stopped part-way): nothing
+    is served from them until the rest of the update arrives or an operator relabels them."""
+
+    code, status, retryable = "weights_mixed", 503, True
+
+
+class WeightsMixedConflict(WeightsMixed):
+    """/continue_generation or /end_weight_update while the weights are mixed: 409."""
+
+    status, retryable = 409, False
+
+
 class NotReady(GrctlError):
     code, status, retryable = "not_ready", 503, True
 
@@ -142,6 +155,7 @@ ERRORS_BY_CODE: dict[str, type[GrctlError]] = {
         Paused,
         WeightsInconsistent,
         MemoryReleased,
+        WeightsMixed,
         NotReady,
         PauseTimeout,
         Unavailable,

@@ -89,7 +89,7 @@ def test_retract_restarts_from_the_prompt(model, reference):
     assert not eng.run_step()
     with eng.exclusive() as aborted:  # an update while they wait: they restart on v2 alone
         assert aborted == 0
-        eng.set_weights_state("v2")
+        eng.record_weights([], "v2", is_full=True)
     eng.resume()
     run_all(eng)
     results = [eng.result(i) for i in ids]

@@ -75,6 +75,9 @@ class EngineConfig:
     pause_timeout_s: float = knob(
         60.0, "Longest wait for the running step when pausing.", "Weight updates", min=0.0
     )
+    allow_partial_weight_update: bool = knob(
+        False, "Serve tensors of mixed version labels (else 503).", "Weight updates"
+    )
 
     def __post_init__(self) -> None:
         check_knobs(self)

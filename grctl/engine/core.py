@@ -27,6 +27,7 @@ from grctl.engine.results import ResultStore
 from grctl.engine.scheduler import Scheduler
 from grctl.engine.sequence import Sequence, Status
 from grctl.engine.stats import EngineStats
+from grctl.weights.versions import WeightVersions
 
 if TYPE_CHECKING:
     from grctl.catalog.store import CatalogStore
@@ -58,7 +59,7 @@ class EngineCore:
             model.to(self.device)  # at construction only: later, weights are written in place
         self.model = model.eval()
         self.config = config
-        self.weight_version = config.weight_version
+        self.versions = WeightVersions(model.config, config.weight_version)  # the labels' one owner
         self.weights_generation = 0  # grows with every weight write (see set_weights_state)
         self.pause_mode: str | None = None
         self.cache = PrefillCache(
@@ -104,6 +105,15 @@ class EngineCore:
     @property
     def is_weights_consistent(self) -> bool:
         return self._weights_consistent
+
+    @property
+    def weight_version(self) -> str:
+        return self.versions.current
+
+    @property
+    def is_weights_mixed(self) -> bool:
+        """Mixed labels refuse service, unless partial weight updates are allowed."""
+        return self.versions.is_mixed and not self.config.allow_partial_weight_update
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -157,7 +167,12 @@ class EngineCore:
 
     # ---- the step -----------------------------------------------------------------------
     def _can_progress(self) -> bool:
-        return not self.is_paused and self._weights_consistent and not self.memory.released
+        return (
+            not self.is_paused
+            and self._weights_consistent
+            and not self.memory.released
+            and not self.is_weights_mixed
+        )
 
     def _can_compute(self) -> bool:
         return self._can_progress() and not (self._exclusive or self._computing or self._stopping)

@@ -7,7 +7,7 @@ weight update and the cache flush are decided here, each under the core's one lo
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 from grctl.engine import memory
@@ -27,6 +27,8 @@ from grctl.errors import (
     PauseTimeout,
     ValidationError,
     WeightsInconsistent,
+    WeightsMixed,
+    WeightsMixedConflict,
 )
 
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -68,6 +70,8 @@ class Engine(EngineCore):
                     "a weight update failed part-way; generation is refused",
                     hint="push a complete weight update",
                 )
+            if self.is_weights_mixed:
+                raise self.mixed_error()
             rid = req.request_id or self.stats.new_request_id()
             if rid in self._seqs or rid in self.results:
                 raise DuplicateRequestId(f"request id {rid!r} is already in use")
@@ -196,9 +200,20 @@ class Engine(EngineCore):
             return 0
 
     def resume(self) -> None:
+        """Leave the pause; refused (409, still paused) while the weights are mixed."""
         with self._cond:
+            if self.is_weights_mixed:
+                raise self.mixed_error(WeightsMixedConflict)
             self.pause_mode = None
             self._cond.notify_all()
+
+    def mixed_error(self, cls: type[WeightsMixed] = WeightsMixed) -> WeightsMixed:
+        return cls(
+            f"the weights are mixed (a weight sync stopped part-way): "
+            f"{self.versions.describe_mix()}",
+            hint="send the rest of the update (or push the whole checkpoint again), or relabel "
+            "with /update_weight_version if the mix is intended",
+        )
 
     @contextmanager
     def exclusive(self, abort_all_requests: bool = False) -> Iterator[int]:
@@ -222,14 +237,31 @@ class Engine(EngineCore):
                 self._exclusive -= 1
                 self._cond.notify_all()
 
-    def set_weights_state(self, weight_version: str | None = None, consistent: bool = True) -> None:
+    def set_weights_state(self, consistent: bool = True) -> None:
+        """After a weight write that moves no label (a failed copy, a reset)."""
         with self._cond:
-            if weight_version is not None:
-                self.weight_version = weight_version
             self.weights_generation += 1  # the weights were written: no cached KV is current
             self.cache.drop_entries()  # so drop it now, not entry by entry on lookup
             self._weights_consistent = consistent
             self._cond.notify_all()
+
+    def record_weights(self, names: Iterable[str], label: str | None, **kw) -> None:
+        """After a successful weight write: the written tensors' labels (WeightVersions.record)
+        and the weights' state move together, under the lock a step reads them under."""
+        with self._cond:
+            self.versions.record(names, label, **kw)
+            self.weights_generation += 1
+            self._weights_consistent = True
+            self._cond.notify_all()
+
+    def relabel_weights(self, label: str, abort_all_requests: bool = False) -> int:
+        """Every tensor takes `label`; running requests go on (they report both versions)
+        unless `abort_all_requests`. Returns the number aborted."""
+        with self._cond:
+            num_aborted = self._abort_all_locked() if abort_all_requests else 0
+            self.versions.relabel(label)
+            self._cond.notify_all()
+            return num_aborted
 
     def flush_cache(self, timeout: float = 0.0) -> tuple[bool, int]:
         """Clear the prefill cache if no request holds KV or is computing (waits up to timeout)."""
@@ -278,6 +310,8 @@ class Engine(EngineCore):
                 reasons.append("weights_inconsistent")
             if self.memory.released:
                 reasons.append("memory_released")
+            if self.is_weights_mixed:
+                reasons.append("weights_mixed")
             if not self.is_worker_alive:
                 reasons.append("worker_not_running")
             if len(self.scheduler.waiting) >= self.config.max_waiting_requests:

@@ -7,7 +7,8 @@ app.state holds what handlers share:
   tokenizer     the checkpoint's tokenizer, or None (then `text` in a body is a 400)
   metrics       the Metrics registry /metrics renders
   waiters       the thread limiter for engine calls that wait (generate, result, flush)
-  updater       the WeightUpdater: one update at a time, versions and counters (/status "weights")
+  updater       the WeightUpdater: one update at a time, and the update session; labels and
+                counters live in engine.versions (/status "weights")
   weights_checker  the snapshot kept by /weights_checker
 """
 
@@ -108,7 +109,7 @@ def create_app(engine: Any, config: ServeConfig, tokenizer: Any | None = None) -
             "model_path": config.engine.model_path or DEFAULT_MODEL_NAME,
             "tokenizer": tokenizer,
             "metrics": metrics,
-            "updater": WeightUpdater(engine, engine.weight_version),
+            "updater": WeightUpdater(engine),
             "weights_checker": WeightsChecker(),
             # One thread per waiting call; enough that every queued request can be awaited.
             "waiters": anyio.CapacityLimiter(

@@ -30,19 +30,6 @@ EXEMPT = {"auth_exempt": True}
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 
 
-def weights_info(state: State) -> dict[str, Any]:
-    """What /status reports under "weights": the WeightUpdater's record when there is one."""
-    updater = state.get("updater")
-    if updater is not None:
-        return updater.info.as_dict()
-    return {
-        "weight_version": state.engine.weight_version,
-        "token_step": None,
-        "weight_update_count": 0,
-        "last_weight_update_ms": None,
-    }
-
-
 def served_model_name(state: State) -> str:
     return state.config.served_model_name or state.model_path
 
@@ -69,7 +56,11 @@ async def ready(state: State) -> Response[ReadyResponse]:
 @get("/status", summary="Scheduler, prefill cache, engine, weights and catalog state")
 async def status(state: State) -> dict[str, Any]:
     engine = state.engine
-    return {**engine.status(), "weights": weights_info(state), "catalog": engine.catalogs.status()}
+    return {
+        **engine.status(),
+        "weights": engine.versions.as_dict(),
+        "catalog": engine.catalogs.status(),
+    }
 
 
 @get(
@@ -80,9 +71,9 @@ async def status(state: State) -> dict[str, Any]:
 )
 async def metrics(state: State) -> str:
     engine = state.engine
-    counters, gauges = split_series(
-        numeric_gauges("gr", {**engine.status(), "weights": weights_info(state)})
-    )
+    weights = engine.versions.as_dict()
+    weights.pop("label_counts")  # labels are free text, not metric names
+    counters, gauges = split_series(numeric_gauges("gr", {**engine.status(), "weights": weights}))
     gauges["gr_ready"] = float(not engine.ready_reasons())
     gauges["gr_in_flight_requests"] = float(engine.num_in_flight())
     return state.metrics.render(gauges, counters)

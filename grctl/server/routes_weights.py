@@ -23,11 +23,13 @@ from grctl.errors import Forbidden, RouteDisabled, ValidationError
 from grctl.server import logs
 from grctl.server.offload import offload
 from grctl.server.schemas_weights import (
+    BeginWeightUpdateBody,
     ContinueResponse,
     GetWeightsBody,
     GetWeightsResponse,
     PauseBody,
     PauseResponse,
+    SuccessResponse,
     TensorChecksum,
     UpdateFromDiskBody,
     UpdateFromTensorBody,
@@ -68,21 +70,52 @@ async def pause_generation(state: State, data: PauseBody | None = None) -> Pause
     return PauseResponse(paused=True, mode=mode, num_aborted_requests=num)
 
 
-@post("/continue_generation", status_code=200, summary="Resume generation after a pause")
+@post(
+    "/continue_generation",
+    status_code=200,
+    summary="Resume generation after a pause (409 weights_mixed while the weights are mixed)",
+)
 async def continue_generation(state: State) -> ContinueResponse:
     state.engine.resume()
     logs.event("continue")
     return ContinueResponse(paused=False)
 
 
-@get("/get_weight_version", summary="The served weight version, step and update count")
+@get("/get_weight_version", summary="The served weight version, step, update count and labels")
 async def get_weight_version(state: State) -> WeightVersionResponse:
-    info = state.updater.info
+    info = state.engine.versions.as_dict()
     return WeightVersionResponse(
-        weight_version=info.weight_version,
-        token_step=info.token_step,
-        weight_update_count=info.weight_update_count,
+        weight_version=info["weight_version"],
+        token_step=info["token_step"],
+        weight_update_count=info["weight_update_count"],
+        weights_mixed=info["weights_mixed"],
+        label_counts=info["label_counts"],
     )
+
+
+@post(
+    "/begin_weight_update",
+    status_code=200,
+    summary="Open SGLang's weight-update session (updates work without one too)",
+)
+async def begin_weight_update(
+    state: State, data: BeginWeightUpdateBody | None = None
+) -> SuccessResponse:
+    selector = (data or BeginWeightUpdateBody()).selector
+    if selector != "all":
+        raise ValidationError(f"selector {selector!r} is not served; grctl has one model: 'all'")
+    await offload(state, state.updater.begin_session)
+    return SuccessResponse(success=True, message="weight update session opened")
+
+
+@post(
+    "/end_weight_update",
+    status_code=200,
+    summary="Close the session: the label counts; 409 weights_mixed if it leaves them mixed",
+)
+async def end_weight_update(state: State) -> SuccessResponse:
+    message = await offload(state, state.updater.end_session)
+    return SuccessResponse(success=True, message=message)
 
 
 @post("/update_weight_version", status_code=200, summary="Relabel the live weights")
@@ -134,7 +167,11 @@ async def get_weights_by_name(state: State, request: Request) -> GetWeightsRespo
     return GetWeightsResponse(parameter=await offload(state, state.updater.read, read))
 
 
-@post("/weights_checker", status_code=200, summary="snapshot | reset_tensors | compare | checksum")
+@post(
+    "/weights_checker",
+    status_code=200,
+    summary="snapshot | reset_tensors | compare | checksum",
+)
 async def weights_checker(
     state: State, data: WeightsCheckerBody | None = None
 ) -> WeightsCheckerResponse:
@@ -146,7 +183,7 @@ async def weights_checker(
         sums = await offload(state, read, checker.checksums, model)
         return WeightsCheckerResponse(
             success=True,
-            weight_version=state.updater.info.weight_version,
+            weight_version=state.engine.weight_version,
             algorithm=checker.ALGORITHM,
             tensors={k: TensorChecksum(**v) for k, v in sums.items()},
         )
@@ -264,7 +301,7 @@ def update_options(body) -> dict:
 def update_response(
     state: State, outcome, message: str, model_dir: str | None = None, *, transport: str
 ):
-    info = state.updater.info
+    versions = state.engine.versions
     log_update(state, transport, outcome)
     return UpdateWeightsResponse(
         success=True,
@@ -273,8 +310,8 @@ def update_response(
         tensors_loaded=outcome.tensors_loaded,
         flushed_cache=outcome.flushed_cache,
         num_aborted_requests=outcome.num_aborted_requests,
-        weight_version=info.weight_version,
-        token_step=info.token_step,
+        weight_version=versions.current,
+        token_step=versions.token_step,
         elapsed_ms=outcome.elapsed_ms,
     )
 
@@ -286,14 +323,15 @@ def log_update(state: State, transport: str, outcome) -> None:
         tensors=outcome.tensors_loaded,
         bytes=outcome.num_bytes,
         ms=outcome.elapsed_ms,
-        version=state.updater.info.weight_version,
+        version=state.engine.weight_version,
         aborted=outcome.num_aborted_requests,
         flushed_cache=outcome.flushed_cache,
     )
 
 
-# Every route here needs --allow-weight-update; the two that write weights also answer errors
-# with SGLang's top-level success/message.
+# Every route here needs --allow-weight-update; those that write weights, the update session and
+# /weights_checker (a failed compare, as SGLang's) also answer errors with SGLang's top-level
+# success/message.
 weight_router = Router(
     path="/",
     guards=[weight_update_guard],
@@ -303,11 +341,16 @@ weight_router = Router(
         get_weight_version,
         update_weight_version,
         get_weights_by_name,
-        weights_checker,
         Router(
             path="/",
             opt=UPDATE_OPT,
-            route_handlers=[update_weights_from_disk, update_weights_from_tensor],
+            route_handlers=[
+                update_weights_from_disk,
+                update_weights_from_tensor,
+                begin_weight_update,
+                end_weight_update,
+                weights_checker,
+            ],
         ),
     ],
 )

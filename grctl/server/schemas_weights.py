@@ -31,6 +31,12 @@ class WeightVersionResponse(Struct, kw_only=True):
     weight_version: str
     token_step: int | str | None
     weight_update_count: int
+    weights_mixed: bool = False  # the tensors carry more than one label
+    label_counts: dict[str, int] = msgspec.field(default_factory=dict)  # label -> HF tensors
+
+
+class BeginWeightUpdateBody(Struct, kw_only=True):
+    selector: str = "all"  # SGLang's runner selector; grctl serves one model, so only "all"
 
 
 class UpdateWeightVersionBody(Struct, kw_only=True):

@@ -27,4 +27,5 @@ def update_from_disk(
             token_step=token_step,
             flush_cache=flush_cache,
             abort_all_requests=abort_all_requests,
+            is_full=True,  # a whole checkpoint: every tensor takes the label
         )

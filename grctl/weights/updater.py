@@ -6,7 +6,11 @@ Every transport (disk, pushed tensors, a distributed broadcast) runs through `We
  3. inside `engine.exclusive()` (no model step runs; the in-flight guard decides under the
     engine's own lock) the copies run in place; a failure after the first copy marks the
     weights inconsistent, and the engine refuses to generate until a later update succeeds;
- 4. on success the version, step and counters move, and the prefill cache is flushed if asked.
+ 4. on success the written tensors take the update's label (engine.versions, WeightVersions:
+    the one owner of labels, step and counters), and the prefill cache is flushed if asked.
+
+It also holds SGLang's weight-update session (/begin_weight_update, /end_weight_update): updates
+work with or without one; ending one reports the labels and fails while they are mixed.
 """
 
 from __future__ import annotations
@@ -20,26 +24,12 @@ from typing import TypeVar
 import torch
 
 from grctl.engine.device import bind_thread
+from grctl.errors import Conflict, WeightsMixedConflict
 from grctl.weights import apply
 from grctl.weights.apply import WeightCopyError, Write
+from grctl.weights.versions import WeightVersions
 
 T = TypeVar("T")
-
-
-@dataclass
-class WeightsInfo:
-    weight_version: str = "default"
-    token_step: int | str | None = None
-    weight_update_count: int = 0
-    last_weight_update_ms: float | None = None
-
-    def as_dict(self) -> dict:
-        return {
-            "weight_version": self.weight_version,
-            "token_step": self.token_step,
-            "weight_update_count": self.weight_update_count,
-            "last_weight_update_ms": self.last_weight_update_ms,
-        }
 
 
 @dataclass
@@ -52,11 +42,15 @@ class UpdateOutcome:
 
 
 class WeightUpdater:
-    def __init__(self, engine, weight_version: str = "default"):
+    def __init__(self, engine):
         self.engine = engine
         self.model = engine.model
-        self.info = WeightsInfo(weight_version=weight_version)
         self._lock = threading.Lock()
+        self._session_open = False
+
+    @property
+    def versions(self) -> WeightVersions:
+        return self.engine.versions
 
     def run(
         self,
@@ -69,8 +63,10 @@ class WeightUpdater:
         flush_cache: bool = True,
         abort_all_requests: bool = False,
         count: bool = True,
+        is_full: bool = False,
     ) -> UpdateOutcome:
-        """Validate (no engine hold), then copy inside the engine's exclusive section."""
+        """Validate (no engine hold), then copy inside the engine's exclusive section.
+        `is_full`: the source is a whole checkpoint (every tensor takes the label)."""
         t0 = time.perf_counter()
         # A handler thread: receives, rebuilt IPC tensors and copies go to the model's device.
         bind_thread(next(self.model.parameters()).device)
@@ -82,21 +78,21 @@ class WeightUpdater:
                         apply.copy(writes, fetch, read_into, apply.read_workers()) if writes else 0
                     )
                 except WeightCopyError:
-                    self.engine.set_weights_state(None, consistent=False)
+                    self.engine.set_weights_state(consistent=False)
                     raise
-                new_version = self.info.weight_version if weight_version is None else weight_version
-                self.engine.set_weights_state(str(new_version), consistent=True)
                 flushed = False
                 if flush_cache:
                     self.engine.clear_prefill_cache()
                     flushed = True
-                self.info.weight_version = str(new_version)
-                if token_step is not None:
-                    self.info.token_step = token_step
-                if count:
-                    self.info.weight_update_count += 1
-            elapsed_ms = (time.perf_counter() - t0) * 1000.0
-            self.info.last_weight_update_ms = round(elapsed_ms, 3)
+                elapsed_ms = (time.perf_counter() - t0) * 1000.0
+                self.engine.record_weights(
+                    [w.name for w in writes],
+                    weight_version,
+                    token_step=token_step,
+                    count=count,
+                    elapsed_ms=elapsed_ms,
+                    is_full=is_full,
+                )
         num_bytes = sum(w.dst.numel() * w.dst.element_size() for w in writes)
         return UpdateOutcome(loaded, num_aborted, flushed, round(elapsed_ms, 3), num_bytes)
 
@@ -107,12 +103,33 @@ class WeightUpdater:
             return fn(*args)
 
     def set_version(self, new_version: str, abort_all_requests: bool = False) -> int:
-        """Relabel the live weights (/update_weight_version); returns the number aborted."""
-        with self._lock, self.engine.exclusive(abort_all_requests) as num_aborted:
-            consistent = self.engine.is_weights_consistent
-            self.engine.set_weights_state(str(new_version), consistent=consistent)
-            self.info.weight_version = str(new_version)
-        return num_aborted
+        """Relabel every tensor (/update_weight_version); returns the number aborted. Running
+        requests go on and report both versions, as in SGLang; an update in progress finishes
+        first, so the relabel never lands between two of its copies."""
+        with self._lock:
+            return self.engine.relabel_weights(str(new_version), abort_all_requests)
+
+    def begin_session(self) -> None:
+        with self._lock:
+            if self._session_open:
+                raise Conflict(
+                    "a weight update session is already open",
+                    hint="call /end_weight_update first",
+                )
+            self._session_open = True
+
+    def end_session(self) -> str:
+        """Close the session; the label counts as a message. Raises (the session closed all the
+        same) when it leaves the weights mixed."""
+        with self._lock:
+            if not self._session_open:
+                raise Conflict(
+                    "no weight update session is open", hint="call /begin_weight_update first"
+                )
+            self._session_open = False
+            if self.engine.is_weights_mixed:
+                raise self.engine.mixed_error(WeightsMixedConflict)
+            return f"weight update session ended; {self.versions.describe_mix()}"
 
     def reset_tensors(self) -> int:
         """weights_checker reset_tensors: overwrite every parameter with noise, in place."""
@@ -120,5 +137,5 @@ class WeightUpdater:
 
         with self._lock, self.engine.exclusive(False):
             n = WeightsChecker.reset_tensors(self.model)
-            self.engine.set_weights_state(None, consistent=self.engine.is_weights_consistent)
+            self.engine.set_weights_state(consistent=self.engine.is_weights_consistent)
             return n

@@ -1,0 +1,124 @@
+"""WeightVersions: the one owner of the served weights' version labels and update counters.
+
+Every HF tensor of the served model (`model.layers.0.self_attn.q_proj.weight`, ...) carries the
+label of the update that last wrote it. Labels are kept per HF tensor, not per fused parameter,
+because a chunk may hold only q_proj: it writes rows 0:q of `qkv_proj`, and those rows alone
+take the chunk's label. The weights are *mixed* while the tensors carry more than one label:
+then the engine refuses to serve them (unless partial updates are allowed).
+
+    versions = WeightVersions(cfg, "step-6")
+    versions.record(["model.norm.weight"], "step-7")   # mixed: 1 tensor 'step-7', N-1 'step-6'
+    versions.relabel("step-7")                          # every tensor 'step-7' again
+
+`current` is the label a reply reports (/get_weight_version, meta_info.weight_version): the last
+one an update or a relabel set. One lock guards the table; the engine reads `current` and
+`is_mixed` under its own lock as well, so no step starts between an update and its labels.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterable
+
+from grctl.engine.model_config import ModelConfig
+from grctl.weights.mapping import hf_names, resolve
+
+Rows = tuple[int | None, int | None]  # (None, None): the whole parameter
+
+
+class WeightVersions:
+    def __init__(self, cfg: ModelConfig, label: str = "default"):
+        self.cfg = cfg
+        # parameter name -> its HF tensors and the rows each one covers
+        self._units: dict[str, list[tuple[str, Rows]]] = {}
+        for name in hf_names(cfg):
+            target = resolve(name, cfg)
+            rows = (target.row_start, target.row_end)
+            self._units.setdefault(target.param_name, []).append((name, rows))
+        self._labels = dict.fromkeys(hf_names(cfg), str(label))
+        self.current = str(label)
+        self.token_step: int | str | None = None
+        self.update_count = 0
+        self.last_update_ms: float | None = None
+        self.is_mixed = False
+        self._lock = threading.Lock()
+
+    def written_tensors(self, source_names: Iterable[str]) -> set[str]:
+        """The HF tensors that writes of `source_names` (HF, or fused parameter names) cover."""
+        out: set[str] = set()
+        for name in source_names:
+            target = resolve(name, self.cfg)
+            if target is None:
+                continue
+            for hf_name, (start, end) in self._units.get(target.param_name, ()):
+                if not target.is_shard or (start, end) == (target.row_start, target.row_end):
+                    out.add(hf_name)
+        return out
+
+    def record(
+        self,
+        source_names: Iterable[str],
+        label: str | None,
+        *,
+        token_step: int | str | None = None,
+        count: bool = True,
+        elapsed_ms: float | None = None,
+        is_full: bool = False,
+    ) -> None:
+        """A successful update wrote `source_names`. With a label, those tensors take it; without
+        one they keep theirs (an unlabelled single-tensor update stays unmixed, as in SGLang).
+        `is_full`: the update wrote the whole model from one checkpoint, so every tensor takes
+        the update's label (or, without one, the current label)."""
+        with self._lock:
+            new = self.current if label is None else str(label)
+            if is_full:
+                self._labels = dict.fromkeys(self._labels, new)
+            elif label is not None:
+                for name in self.written_tensors(source_names):
+                    self._labels[name] = new
+            self.current = new
+            if token_step is not None:
+                self.token_step = token_step
+            if count:
+                self.update_count += 1
+            if elapsed_ms is not None:
+                self.last_update_ms = round(elapsed_ms, 3)
+            self._refresh()
+
+    def relabel(self, label: str) -> None:
+        """/update_weight_version: every tensor takes `label` (an operator's word for the mix)."""
+        with self._lock:
+            self._labels = dict.fromkeys(self._labels, str(label))
+            self.current = str(label)
+            self._refresh()
+
+    def _refresh(self) -> None:
+        self.is_mixed = len(set(self._labels.values())) > 1
+
+    def label_counts(self) -> dict[str, int]:
+        """label -> how many HF tensors carry it, most common first."""
+        with self._lock:
+            return dict(Counter(self._labels.values()).most_common())
+
+    def labels(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self._labels)
+
+    def describe_mix(self) -> str:
+        """'20 tensors carry version 'B', 26 carry 'A'' (for errors and /end_weight_update)."""
+        counts = self.label_counts()
+        parts = [f"{n} carry version {label!r}" for label, n in counts.items()]
+        total = sum(counts.values())
+        return f"{total} tensors: " + ", ".join(parts)
+
+    def as_dict(self) -> dict:
+        """What /status reports under "weights"."""
+        return {
+            "weight_version": self.current,
+            "token_step": self.token_step,
+            "weight_update_count": self.update_count,
+            "last_weight_update_ms": self.last_update_ms,
+            "weights_mixed": self.is_mixed,
+            "label_counts": self.label_counts(),
+        }
