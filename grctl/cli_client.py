@@ -9,6 +9,11 @@ grctl/cli_output.py). Registered onto the app by `register(app)` at the end of g
 
 from __future__ import annotations
 
+import shlex
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -131,39 +136,102 @@ def shorten(lines: list[str], shown: int = 4) -> str:
 def run_push(
     urls, checkpoint: Path, *, verify: bool, api_key=None, as_json=False, verbose=False, **sync_kw
 ):
-    """WeightSync with a progress bar, then the summary (also when it fails)."""
-    from grctl.client.outcome import SyncError
+    """WeightSync with a progress bar, then the summary (also when it fails). Ctrl-C or
+    SIGTERM: each server's state and the command that finishes the job; exit 130 / 143."""
+    from grctl.client.outcome import SyncError, SyncInterrupted, Terminated
     from grctl.client.sync import WeightSync
-
-    def show(result) -> None:
-        (report.sync_details if verbose else report.sync_lines)(console, result)
 
     version, token_step = sync_kw.pop("weight_version", None), sync_kw.pop("token_step", None)
     transport = sync_kw.get("transport", "tensor")
-    with command_output("push", as_json) as out:
-        with report.push_progress(err_console, transport) as on_progress:
-            with WeightSync(
-                urls,  # None: DEFAULT_URL, unless a router names the servers
-                api_key=api_key,
-                verify=verify,
-                on_progress=on_progress,
-                **sync_kw,
-            ) as sync:
+    finish = finish_command(checkpoint, transport, sync_kw, version, token_step, api_key)
+
+    def show(result) -> None:
+        (report.sync_details if verbose else report.sync_lines)(console, result)
+        partial = [o.url for o in result.servers if o.is_partial]
+        if partial:
+            err_console.print(report.finish_hint(partial, finish), highlight=False, soft_wrap=True)
+
+    try:
+        with command_output("push", as_json) as out:
+            with (
+                on_sigterm(Terminated),
+                report.push_progress(err_console, transport) as on_progress,
+                WeightSync(
+                    urls,  # None: DEFAULT_URL, unless a router names the servers
+                    api_key=api_key,
+                    verify=verify,
+                    on_progress=on_progress,
+                    **sync_kw,
+                ) as sync,
+            ):
                 try:
                     result = sync.run(checkpoint, weight_version=version, token_step=token_step)
                 except SyncError as exc:
                     failed = exc.result
-                    doc = {"ok": False, "error": exc.to_dict(), "result": sync_doc(failed)}
+                    doc = {"ok": False, "error": exc.to_dict(), "result": sync_doc(failed, finish)}
                     out.emit(doc, human=lambda: show(failed))
                     raise
-        out.emit({"ok": True, "result": sync_doc(result)}, human=lambda: show(result))
+                except SyncInterrupted as exc:
+                    stopped = exc.result
+
+                    def tell() -> None:
+                        text = report.interrupted_report(stopped, finish)
+                        err_console.print(text, highlight=False, soft_wrap=True)
+
+                    error = {"code": "interrupted", "message": str(exc), "retryable": True}
+                    doc = {"ok": False, "error": error, "result": sync_doc(stopped, finish)}
+                    out.emit(doc, human=tell)
+                    raise typer.Exit(143 if stopped.interrupted_by == "SIGTERM" else 130) from None
+            out.emit({"ok": True, "result": sync_doc(result, finish)}, human=lambda: show(result))
+    except KeyboardInterrupt as exc:  # before WeightSync started: nothing was paused
+        raise typer.Exit(143 if isinstance(exc, Terminated) else 130) from None
     return result
 
 
-def sync_doc(result) -> dict[str, Any]:
-    servers = [{**to_builtins(s), "ok": s.ok, "state": s.left_as() if not s.ok else "ok"}
-               for s in result.servers]  # fmt: skip
+def sync_doc(result, finish) -> dict[str, Any]:
+    servers = [
+        {
+            **to_builtins(s),
+            "ok": s.ok,
+            "state": s.left_as() if not s.ok else "ok",
+            "partial": s.is_partial,
+            **({"finish_command": finish(s.url)} if s.is_partial else {}),
+        }
+        for s in result.servers
+    ]
     return {**to_builtins(result), "servers": servers, "push_gbps": result.push_gbps}
+
+
+def finish_command(checkpoint, transport, sync_kw, version, token_step, api_key):
+    """`url -> the grctl push that finishes the job on that server` (the whole push, again)."""
+    args = ["grctl", "push", "--checkpoint", str(Path(checkpoint).resolve())]
+    args += ["--transport", transport]
+    if transport == "tensor":
+        args += ["--bucket-mb", f"{sync_kw.get('bucket_mb', 512):g}"]
+    if version is not None:
+        args += ["--weight-version", str(version)]
+    if token_step is not None:
+        args += ["--token-step", str(token_step)]
+    tail = ' --api-key "$GR_API_KEY"' if api_key else ""
+    return lambda url: shlex.join([*args, "--url", url]) + tail
+
+
+@contextmanager
+def on_sigterm(exc_type: type[BaseException]) -> Iterator[None]:
+    """SIGTERM raises `exc_type` in the main thread (as Ctrl-C raises KeyboardInterrupt), so a
+    push stops through the same path; the previous handler comes back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise exc_type()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def push(

@@ -1,7 +1,10 @@
-"""What a weight sync reports: one ServerOutcome per server, a SyncResult, and SyncError.
+"""What a weight sync reports: one ServerOutcome per server, a SyncResult, SyncError and
+SyncInterrupted.
 
-A failed server is named with the stage it failed in (connect, pause, flush, push, continue,
-verify) and why; the others keep their own outcome, so one error says what happened everywhere.
+A failed server is named with the stage it failed in (connect, plan, pause, flush, push,
+continue, verify) and why; the others keep their own outcome, so one error says what happened
+everywhere. A server that took some but not all of a tensor push is *partial*: it is never
+resumed, whatever stopped the sync (an error, Ctrl-C, SIGTERM).
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from dataclasses import dataclass, field
 
 from grctl.errors import GrctlError, Unauthorized
 
-STAGES = ("connect", "pause", "flush", "push", "continue", "verify")
+STAGES = ("connect", "plan", "pause", "flush", "push", "continue", "verify")
 
 
 @dataclass
@@ -24,7 +27,11 @@ class ServerOutcome:
     failed_stage: str | None = None  # one of STAGES
     error: str | None = None
     resumed: bool = False
-    num_buckets: int = 0  # tensor chunks this server applied
+    paused: bool = False  # this sync asked it to pause
+    num_buckets: int = 0  # tensor chunks this server applied (acknowledged)
+    buckets_total: int = 0  # tensor chunks planned for it
+    uncertain: bool = False  # a chunk was sent but no reply came: it may have been applied
+    label_counts: dict[str, int] | None = None  # from /get_weight_version, for a partial server
     num_bytes: int = 0
     num_tensors: int = 0  # tensors loaded, as the server counted them
     verified: bool | None = None  # None: not checked
@@ -34,6 +41,21 @@ class ServerOutcome:
     @property
     def ok(self) -> bool:
         return self.failed_stage is None
+
+    @property
+    def is_partial(self) -> bool:
+        """Some of the push may be on the server, and not all of it."""
+        return (self.num_buckets > 0 or self.uncertain) and self.num_buckets < self.buckets_total
+
+    def left_state(self) -> str:
+        """'paused, 3 of 9 buckets applied (and one more may be), labels {...}'."""
+        state = "resumed" if self.resumed else ("paused" if self.paused else "not paused")
+        text = f"{state}, {self.num_buckets} of {self.buckets_total} buckets applied"
+        if self.uncertain:
+            text += " (one more was in flight and may be applied)"
+        if self.label_counts:
+            text += ", labels " + ", ".join(f"{k}: {n}" for k, n in self.label_counts.items())
+        return text
 
     def fail(self, stage: str, exc: BaseException | str, where: str = "") -> None:
         if self.failed_stage is None:  # the first failure is the one that matters
@@ -51,12 +73,14 @@ class ServerOutcome:
         if self.failed_stage == "connect":
             return "never reached, so nothing changed there"
         kept = f"version {self.weight_version}" if self.weight_version else "version unknown"
-        if self.failed_stage == "pause":
-            return f"not paused, nothing changed ({kept})"
+        if self.failed_stage == "plan":
+            return f"refused before any pause, nothing changed ({kept})"
+        if self.is_partial:
+            return f"{self.left_state()}: partly new weights, push again to finish"
         if self.resumed:
             return f"resumed, {kept}"
-        if self.failed_stage == "push" and self.num_buckets:
-            return f"left paused with partly new weights: push again, {kept}"
+        if self.failed_stage == "pause":
+            return f"not paused, nothing changed ({kept})"
         return f"NOT resumed: check it, then `grctl resume`, {kept}"
 
 
@@ -89,6 +113,7 @@ class SyncResult:
     num_buckets: int = 0
     num_bytes: int = 0
     timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds, fleet-wide
+    interrupted_by: str | None = None  # "SIGINT" or "SIGTERM" when a signal stopped the sync
 
     @property
     def ok(self) -> bool:
@@ -117,4 +142,17 @@ class SyncError(GrctlError):
             f"{len(result.servers)} server(s): " + "; ".join(s.summary() for s in result.servers)
         )
         super().__init__(message)
+        self.result = result
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised by the CLI's handler so a push stops the way Ctrl-C stops it."""
+
+
+class SyncInterrupted(KeyboardInterrupt):
+    """Ctrl-C (or SIGTERM) stopped a sync. Still a KeyboardInterrupt; `result` says what state
+    each server was left in (partial servers stay paused)."""
+
+    def __init__(self, result: SyncResult):
+        super().__init__(f"weight sync interrupted by {result.interrupted_by}")
         self.result = result

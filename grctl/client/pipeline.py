@@ -3,14 +3,16 @@
 At most two buckets are alive at once: the one the servers are reading and the one being
 staged. A bucket is freed only after every call that carries it has returned (the servers read
 its memory during the call), even when staging or a call fails. A server whose call fails is
-dropped from later buckets and named with the bucket it failed on; the others go on.
+dropped from later buckets and named with the bucket it failed on; the others go on. Each
+outcome counts the buckets its server acknowledged, so a sync stopped part-way knows which
+servers are partly updated.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,6 +21,7 @@ from grctl.client.devices import release_unclaimed
 from grctl.client.http import ClientTimeout, GRClient
 from grctl.client.outcome import ServerOutcome
 from grctl.client.staging import BucketPlan, BufferPool, StagedBucket, stage
+from grctl.errors import GrctlError
 from grctl.weights.checkpoint import Checkpoint
 
 
@@ -35,7 +38,16 @@ class PushOptions:
     flush_at_end: bool = True  # the last bucket flushes the prefill cache; the others do not
 
 
-InFlight = tuple[StagedBucket, list[tuple[Target, Future]]]
+# How long an interrupted push waits for the calls already in flight, so it knows whether the
+# bucket they carry was applied (a second Ctrl-C stops the wait).
+SETTLE_ON_INTERRUPT_S = 30.0
+
+
+@dataclass
+class InFlight:
+    bucket: StagedBucket
+    calls: list[tuple[Target, Future]] = field(default_factory=list)
+    is_settled: bool = False
 
 
 def send(target: Target, bucket: StagedBucket, opts: PushOptions, is_last: bool):
@@ -61,25 +73,51 @@ def send(target: Target, bucket: StagedBucket, opts: PushOptions, is_last: bool)
 
 def settle(flight: InFlight, num_buckets: int) -> list[Target]:
     """Wait for every call carrying the bucket, record each outcome, free the bucket; returns
-    the servers that took it."""
-    bucket, calls = flight
+    the servers that took it. Interrupted, it waits a while more for the calls to return (their
+    replies say whether the bucket was applied); a call still out is marked uncertain."""
+    futures = [future for _, future in flight.calls]
     try:
-        wait([future for _, future in calls])
-    finally:
-        bucket.free()
+        wait(futures)
+    except BaseException:
+        try:
+            wait(futures, timeout=SETTLE_ON_INTERRUPT_S)
+        finally:
+            record(flight, num_buckets)
+        raise
+    return record(flight, num_buckets)
+
+
+def record(flight: InFlight, num_buckets: int) -> list[Target]:
+    if flight.is_settled:
+        return []
+    flight.is_settled = True
     took = []
-    for target, future in calls:
+    for target, future in flight.calls:
         out = target.outcome
+        if not future.done():  # no reply yet: the server may or may not apply it
+            out.uncertain = True
+            continue
         exc = future.exception()
         if exc is None:
             reply = future.result()
             out.num_buckets += 1
-            out.num_bytes += bucket.nbytes
+            out.num_bytes += flight.bucket.nbytes
             out.num_tensors += reply.tensors_loaded
             took.append(target)
         else:
-            out.fail("push", exc, where=f"bucket {bucket.plan.index + 1}/{num_buckets}")
+            out.uncertain = out.uncertain or not is_refusal(exc)
+            where = f"bucket {flight.bucket.plan.index + 1}/{num_buckets}"
+            out.fail("push", exc, where=where)
+    if all(future.done() for _, future in flight.calls):
+        flight.bucket.free()  # else the pending call keeps it alive until it returns
     return took
+
+
+def is_refusal(exc: BaseException) -> bool:
+    """The server answered with an error: it applied nothing of that chunk (validate first).
+    A 500 is a copy that failed part-way (the server then refuses to serve until fixed)."""
+    status = getattr(exc, "status", 0)
+    return isinstance(exc, GrctlError) and 400 <= status < 500
 
 
 def push_buckets(
@@ -92,9 +130,11 @@ def push_buckets(
     on_bucket: Callable[[BucketPlan], None] | None = None,
 ) -> None:
     """Push every planned bucket to every target; failures land in the targets' outcomes.
-    An error while staging (an unreadable checkpoint) is raised after the in-flight bucket has
-    been settled and freed."""
+    An error while staging (an unreadable checkpoint), or an interrupt, is raised after the
+    bucket in flight has been settled: each outcome then counts exactly the buckets applied."""
     alive = list(targets)
+    for t in targets:
+        t.outcome.buckets_total = len(plans)
     flight: InFlight | None = None
     # the bucket in flight and the one being staged: two buffers, reused by every bucket
     buffers = None
@@ -106,21 +146,22 @@ def push_buckets(
                 break
             bucket = stage(ckpt, plan, device, buffers)  # overlaps with the previous bucket's calls
             if flight is not None:
-                previous, flight = flight, None
-                alive = settle(previous, len(plans))
+                alive = settle(flight, len(plans))
                 if on_bucket:
-                    on_bucket(previous[0].plan)
+                    on_bucket(flight.bucket.plan)
+                flight = None
                 if not alive:
                     bucket.free()
                     break
             is_last = plan.index == len(plans) - 1
-            calls = [(t, pool.submit(send, t, bucket, opts, is_last)) for t in alive]
-            flight = (bucket, calls)
+            flight = InFlight(bucket)
+            for t in alive:
+                flight.calls.append((t, pool.submit(send, t, bucket, opts, is_last)))
         if flight is not None:
-            previous, flight = flight, None
-            settle(previous, len(plans))
+            settle(flight, len(plans))
             if on_bucket:
-                on_bucket(previous[0].plan)
+                on_bucket(flight.bucket.plan)
+            flight = None
     finally:
-        if flight is not None:  # staging failed while a bucket was in flight
+        if flight is not None and not flight.is_settled:  # staging failed, or an interrupt
             settle(flight, len(plans))

@@ -123,6 +123,22 @@ def sync_details(console: Console, result: outcome.SyncResult) -> None:
         console.print(table)
 
 
+def interrupted_report(result: outcome.SyncResult, finish) -> str:
+    """Per server: the state a stopped sync left, and the command that finishes the job."""
+    lines = [f"push interrupted ({result.interrupted_by}); state left on each server:"]
+    for s in result.servers:
+        lines.append(f"  {s.url}: {s.left_state()}")
+        if s.is_partial:
+            lines.append(f"    partly updated, left paused; to finish: {finish(s.url)}")
+    return "\n".join(lines)
+
+
+def finish_hint(urls: list[str], finish) -> str:
+    lines = ["partly updated servers were left paused; to finish the job:"]
+    lines += [f"  {finish(url)}" for url in urls]
+    return "\n".join(lines)
+
+
 def replies_table(title: str, rows: list[tuple[str, Any]]) -> Table:
     """One row per server: the reply (a Struct or an error text)."""
     table = Table(title=title, title_justify="left")

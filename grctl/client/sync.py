@@ -3,12 +3,15 @@
     result = WeightSync(["http://a:8000", "http://b:8000"]).run("/ckpt/step_7", weight_version=7)
     result = WeightSync(router="http://gw:30000").run(...)  # the workers behind sglang-router
 
-Every stage runs on all servers at once. A server that fails is dropped from the later stages
-but is still resumed, unless it failed after some tensor chunks were applied: its weights are
-then partly new, so it is left paused (it never serves them) with its old version label, and
-the error says to push again. The servers that did not fail go on to the end. If any server
-failed, SyncError is raised naming every server's outcome;
-its `result` is the same SyncResult a clean run returns.
+Every stage runs on all servers at once. Before anything is paused, a tensor push checks that
+the checkpoint covers each server's model (the sink's own plan, on a meta-device copy of the
+served structure), so a partial checkpoint is refused with every server untouched. A server that
+fails is dropped from the later stages but is still resumed, unless it took some but not all of
+the tensor chunks: its weights are then partly new, so it is left paused, and the server itself
+refuses to resume while its tensors carry mixed labels. The servers that did not fail go on to
+the end. If any server failed, SyncError is raised naming every server's outcome; its `result`
+is the same SyncResult a clean run returns. Ctrl-C (KeyboardInterrupt) stops the sync the same
+way: partial servers stay paused, the others are resumed, and SyncInterrupted carries the result.
 """
 
 from __future__ import annotations
@@ -20,8 +23,16 @@ from pathlib import Path
 
 from grctl.client import devices, staging
 from grctl.client.http import DEFAULT_URL, GRClient
-from grctl.client.outcome import Progress, ServerOutcome, SyncError, SyncResult
+from grctl.client.outcome import (
+    Progress,
+    ServerOutcome,
+    SyncError,
+    SyncInterrupted,
+    SyncResult,
+    Terminated,
+)
 from grctl.client.pipeline import PushOptions, Target, push_buckets
+from grctl.client.preflight import check_covers
 from grctl.client.router import worker_urls as router_workers
 from grctl.client.types import version_str
 from grctl.client.verify import compare_servers, dtype_of, read_server
@@ -29,10 +40,6 @@ from grctl.errors import GrctlError, ValidationError
 from grctl.weights.checkpoint import Checkpoint
 
 TRANSPORTS = ("tensor", "disk")
-
-
-def is_partial(out: ServerOutcome) -> bool:
-    return out.failed_stage == "push" and out.num_buckets > 0
 
 
 class WeightSync:
@@ -107,19 +114,34 @@ class WeightSync:
         token_step: int | str | None = None,
     ) -> SyncResult:
         t0 = time.perf_counter()
-        if self.transport == "tensor":  # an unreadable checkpoint fails before any server pauses
-            with Checkpoint(checkpoint) as ckpt:
-                ckpt.specs()
-        version = version_str(weight_version)
-        result = SyncResult(
-            version, self.transport, str(checkpoint), [ServerOutcome(url) for url in self.clients]
-        )
-        self._stage(result, "connect", self._connect)
-        reached = [o for o in result.servers if o.ok]
+        # A tensor push opens the checkpoint once, before any server is touched.
+        ckpt = Checkpoint(checkpoint) if self.transport == "tensor" else None
         try:
-            self._stage(
-                result, "pause", lambda o: self.clients[o.url].pause_generation(self.pause_mode)
+            if ckpt is not None:
+                ckpt.specs()  # an unreadable checkpoint fails before any server pauses
+            version = version_str(weight_version)
+            result = SyncResult(
+                version, self.transport, str(checkpoint), [ServerOutcome(u) for u in self.clients]
             )
+            self._stage(result, "connect", self._connect)
+            if ckpt is not None:
+                self._stage(result, "plan", lambda o: check_covers(self.clients[o.url], ckpt))
+            self._update(result, ckpt or checkpoint, version, token_step)
+        finally:
+            if ckpt is not None:
+                ckpt.close()
+        self._verify(result, checkpoint, version)
+        result.timings["total"] = round(time.perf_counter() - t0, 4)
+        if not result.ok:
+            raise SyncError(result)
+        return result
+
+    def _update(self, result: SyncResult, source, version, token_step) -> None:
+        """pause -> flush -> push -> continue. Whatever stops it, a partial server (some but
+        not all of its chunks applied) is never resumed; Ctrl-C raises SyncInterrupted."""
+        planned = [o for o in result.servers if o.ok]
+        try:
+            self._stage(result, "pause", self._pause)
             if self.pause_mode != "in_place":  # in_place keeps KV by design (miles skips it)
                 self._stage(
                     result,
@@ -128,24 +150,44 @@ class WeightSync:
                         self.flush_retries, self.flush_interval
                     ),
                 )
-            self._push(result, checkpoint, version, token_step)
-            self._relabel_partial(result)
-        finally:
-            self._resume(result, [o for o in reached if not is_partial(o)])
-        self._verify(result, checkpoint, version)
-        result.timings["total"] = round(time.perf_counter() - t0, 4)
-        if not result.ok:
-            raise SyncError(result)
-        return result
+            self._push(result, source, version, token_step)
+        except BaseException as exc:
+            for out in planned:
+                if out.ok:
+                    out.fail("push" if out.num_buckets else "pause", f"stopped: {exc!r}")
+            self._finish(result, planned)
+            if isinstance(exc, KeyboardInterrupt):
+                result.interrupted_by = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
+                raise SyncInterrupted(result) from exc
+            raise
+        self._finish(result, planned)
+
+    def _pause(self, out: ServerOutcome) -> None:
+        out.paused = True  # set first: an interrupted call may still have paused it
+        self.clients[out.url].pause_generation(self.pause_mode)
+
+    def _finish(self, result: SyncResult, planned: list[ServerOutcome]) -> None:
+        """Resume what this sync paused, except partial servers: read their labels instead."""
+        self._resume(result, [o for o in planned if o.paused and not o.is_partial])
+
+        def labels(out: ServerOutcome) -> None:
+            try:
+                out.label_counts = self.clients[out.url].get_weight_version().label_counts
+            except Exception:  # the server may be gone: the state report says what it can
+                out.label_counts = None
+
+        list(self._pool.map(labels, [o for o in planned if o.is_partial]))
 
     def _connect(self, out: ServerOutcome) -> None:
         info = self.clients[out.url].server_info()
         out.old_version = out.weight_version = info.weight_version
         out.device, out.dtype, out.gpu_uuid = info.device, info.dtype, info.gpu_uuid
 
-    def _push(self, result: SyncResult, checkpoint, version, token_step) -> None:
+    def _push(self, result: SyncResult, source, version, token_step) -> None:
+        """`source`: the checkpoint path (disk), or the open Checkpoint (tensor)."""
         t0 = time.perf_counter()
         if self.transport == "disk":
+            checkpoint = source
             local = Path(checkpoint)
             path = str(local.resolve()) if local.exists() else str(checkpoint)
 
@@ -157,12 +199,12 @@ class WeightSync:
 
             self._stage(result, "push", disk)
         else:
-            self._push_tensors(result, checkpoint, PushOptions(version, token_step))
+            self._push_tensors(result, source, PushOptions(version, token_step))
         result.timings["push"] = round(time.perf_counter() - t0, 4)
         for out in result.servers:
             out.timings.setdefault("push", result.timings["push"])  # tensor chunks go to all
 
-    def _push_tensors(self, result: SyncResult, checkpoint, opts: PushOptions) -> None:
+    def _push_tensors(self, result: SyncResult, ckpt: Checkpoint, opts: PushOptions) -> None:
         """One staging per (local device, served dtype): servers on the same GPU read the same
         buckets; servers on other GPUs of this machine get their own, staged on their GPU."""
         groups: dict[tuple, list[ServerOutcome]] = {}
@@ -173,22 +215,16 @@ class WeightSync:
                 out.fail("push", exc)
                 continue
             groups.setdefault((device, dtype_of(out.dtype)), []).append(out)
-        try:
-            with Checkpoint(checkpoint) as ckpt:
-                specs = ckpt.specs()
-                plans = {k: staging.plan_buckets(specs, k[1], self.bucket_bytes) for k in groups}
-                result.num_buckets = sum(len(p) for p in plans.values())
-                result.num_bytes = sum(b.nbytes for p in plans.values() for b in p)
-                progress = self._progress_reporter(result)
-                for key, outs in groups.items():
-                    targets = [Target(self.clients[o.url], o) for o in outs]
-                    try:
-                        push_buckets(ckpt, plans[key], key[0], targets, self._pool, opts, progress)
-                    except Exception as exc:  # staging failed: the group's servers stop here
-                        for out in outs:
-                            out.fail("push", exc)
-        except GrctlError as exc:  # the checkpoint is unreadable: nothing was sent
-            for outs in groups.values():
+        specs = ckpt.specs()
+        plans = {k: staging.plan_buckets(specs, k[1], self.bucket_bytes) for k in groups}
+        result.num_buckets = sum(len(p) for p in plans.values())
+        result.num_bytes = sum(b.nbytes for p in plans.values() for b in p)
+        progress = self._progress_reporter(result)
+        for key, outs in groups.items():
+            targets = [Target(self.clients[o.url], o) for o in outs]
+            try:
+                push_buckets(ckpt, plans[key], key[0], targets, self._pool, opts, progress)
+            except Exception as exc:  # staging failed: the group's servers stop here
                 for out in outs:
                     out.fail("push", exc)
 
@@ -204,21 +240,6 @@ class WeightSync:
                 self.on_progress(done)
 
         return on_bucket
-
-    def _relabel_partial(self, result: SyncResult) -> None:
-        """A server that failed after taking some chunks keeps its old label and stays paused."""
-        for out in result.servers:
-            if not is_partial(out):
-                continue
-            out.error += (
-                f"; {out.num_buckets} bucket(s) had been applied, so it is left paused (its "
-                "weights are partly new): push again, then /continue_generation"
-            )
-            if result.weight_version and out.old_version != result.weight_version:
-                try:
-                    self.clients[out.url].update_weight_version(out.old_version)
-                except Exception as exc:
-                    out.error += f"; could not restore its version label ({exc})"
 
     def _resume(self, result: SyncResult, reached: list[ServerOutcome]) -> None:
         def resume(out: ServerOutcome) -> None:

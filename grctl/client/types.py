@@ -120,6 +120,7 @@ class ModelInfo(Struct, kw_only=True):
     is_generation: bool = True
     tokenizer_path: str | None = None
     vocab_size: int = 0
+    model_config: dict[str, Any] | None = None  # the served structure, as an HF config.json
 
 
 class MemoryResult(Struct, kw_only=True):
@@ -149,6 +150,8 @@ class WeightVersion(Struct, kw_only=True):
     token_step: int | str | None = None
     weight_update_count: int = 0
     last_weight_update_ms: float | None = None  # only in /status "weights"
+    weights_mixed: bool = False  # the served tensors carry more than one label
+    label_counts: dict[str, int] = msgspec.field(default_factory=dict)  # label -> tensors
 
 
 class VersionUpdate(Struct, kw_only=True):

@@ -120,6 +120,7 @@ async def model_info(state: State) -> ModelInfo:
         weight_version=state.engine.weight_version,
         tokenizer_path=state.model_path if state.tokenizer is not None else None,
         vocab_size=state.engine.model.config.vocab_size,
+        model_config=state.engine.model.config.to_hf(),
     )
 
 

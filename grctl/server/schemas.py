@@ -182,6 +182,7 @@ class ModelInfo(Struct, kw_only=True):
     is_generation: bool = True
     tokenizer_path: str | None = None
     vocab_size: int = 0
+    model_config: dict[str, Any] | None = None  # the served structure, as an HF config.json
 
 
 class ErrorDetail(Struct, kw_only=True):
