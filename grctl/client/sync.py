@@ -123,14 +123,20 @@ class WeightSync:
             result = SyncResult(
                 version, self.transport, str(checkpoint), [ServerOutcome(u) for u in self.clients]
             )
-            self._stage(result, "connect", self._connect)
-            if ckpt is not None:
-                self._stage(result, "plan", lambda o: check_covers(self.clients[o.url], ckpt))
-            self._update(result, ckpt or checkpoint, version, token_step)
+            try:
+                self._stage(result, "connect", self._connect)
+                if ckpt is not None:
+                    self._stage(result, "plan", lambda o: check_covers(self.clients[o.url], ckpt))
+                self._update(result, ckpt or checkpoint, version, token_step)
+                self._verify(result, checkpoint, version)
+            except KeyboardInterrupt as exc:  # before the pause or after the resume
+                if isinstance(exc, SyncInterrupted):
+                    raise
+                result.interrupted_by = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
+                raise SyncInterrupted(result) from exc
         finally:
             if ckpt is not None:
                 ckpt.close()
-        self._verify(result, checkpoint, version)
         result.timings["total"] = round(time.perf_counter() - t0, 4)
         if not result.ok:
             raise SyncError(result)

@@ -61,6 +61,8 @@ class Engine(EngineCore):
                     "the engine's worker thread has stopped; no request would run",
                     hint="restart the server (its log says why the worker ended)",
                 )
+            if self.is_weights_mixed:  # before paused: resuming will not help until it clears
+                raise self.mixed_error()
             if self.pause_mode is not None:
                 raise Paused("generation is paused", hint="retry after /continue_generation")
             if self.memory.released:
@@ -70,8 +72,6 @@ class Engine(EngineCore):
                     "a weight update failed part-way; generation is refused",
                     hint="push a complete weight update",
                 )
-            if self.is_weights_mixed:
-                raise self.mixed_error()
             rid = req.request_id or self.stats.new_request_id()
             if rid in self._seqs or rid in self.results:
                 raise DuplicateRequestId(f"request id {rid!r} is already in use")
