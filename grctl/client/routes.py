@@ -145,6 +145,15 @@ class Routes:
         body = {"new_version": t.version_str(new_version), "abort_all_requests": abort_all_requests}
         return self._call(Call("POST", "/update_weight_version", as_(t.VersionUpdate), body))
 
+    def begin_weight_update(self, selector: str = "all") -> t.SuccessResult:
+        """Open SGLang 0.5.23's update session (409 conflict if one is open)."""
+        body = {"selector": selector}
+        return self._call(Call("POST", "/begin_weight_update", as_(t.SuccessResult), body))
+
+    def end_weight_update(self) -> t.SuccessResult:
+        """Close it: the label counts; 409 weights_mixed if it leaves the weights mixed."""
+        return self._call(Call("POST", "/end_weight_update", as_(t.SuccessResult), {}))
+
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> t.WeightsByName:
         params = {"name": name, "truncate_size": truncate_size}
         return self._call(Call("GET", "/get_weights_by_name", as_(t.WeightsByName), params=params))
