@@ -11,12 +11,13 @@ window in which the test changes the last shard, found by watching the server's
 /proc/<pid>/maps for the shard's mapping (it is mapped when validation opens it).
 
 Tensor chunks are applied independently as they arrive (the protocol, as in SGLang): a trainer
-that dies between chunks leaves the chunks it sent applied and the label it sent with them, with
-the server paused (nobody resumes it). What is true, and asserted: exactly the acknowledged chunks
-are new, nothing else, generation stays refused (paused), and the next full sync restores exactly
-the checkpoint. A single chunk is applied whole or not at all, even if the trainer dies mid-call:
-nothing when it dies halfway through sending the body, all of it once the server has the body
-(it reads the trainer's shared memory, which outlives the trainer while mapped).
+that dies between chunks leaves the chunks it sent applied under the label it sent with them,
+with the server paused. What is true, and asserted: exactly the acknowledged chunks are new,
+nothing else, the tensors carry two labels so generation and /continue_generation stay refused
+(weights_mixed), and the next full sync restores exactly the checkpoint. A single chunk is
+applied whole or not at all, even if the trainer dies mid-call: nothing when it dies halfway
+through sending the body, all of it once the server has the body (it reads the trainer's shared
+memory, which outlives the trainer while mapped).
 
 Disk faults: the last shard truncated or rewritten in place after validation fails the copy (500,
 then 503 weights_inconsistent until a good update); one renamed over is never seen (the server
@@ -307,15 +308,20 @@ def test_trainer_killed_between_chunks(http, srv, big, tmp_path):
     ]
     applied = {n for names in sent for n in names}
     assert applied and applied != set(new.sums)
-    # Alive, still paused (the trainer never resumed), so nothing is served from these weights.
+    # Alive, still paused (the trainer never resumed), and its tensors carry two labels: nothing
+    # is served from these weights, and nothing resumes it.
     assert http.get("/health").json() == {"ok": True}
-    assert "paused" in http.get("/ready").json()["reasons"]
-    assert_error(generate(http), 503, "paused")
+    assert {"paused", "weights_mixed"} <= set(http.get("/ready").json()["reasons"])
+    assert_error(generate(http), 503, "weights_mixed")
+    assert_error(http.post("/continue_generation"), 409, "weights_mixed")
     # Exactly the acknowledged chunks are new; every other tensor is still the old one.
     sums = served_sha256(http)
     assert sums == {n: (new if n in applied else base).sums[n] for n in base.sums}
-    # The label came with the first chunk (chunks are independent, as in SGLang).
-    assert http.get("/get_weight_version").json()["weight_version"] == "new-partial"
+    # The label came with the first chunk (chunks are independent, as in SGLang), and only the
+    # tensors it carried took it.
+    v = http.get("/get_weight_version").json()
+    assert v["weight_version"] == "new-partial" and v["weights_mixed"]
+    assert v["label_counts"] == {"base": len(base.sums) - len(applied), "new-partial": len(applied)}
     assert not mapped(srv.proc.pid, "/dev/shm/torch_")  # the server keeps no segment mapped
     assert shm_segments_of(proc.pid) == []  # nor does /dev/shm: no bucket was in flight
     # The next full sync restores exactly one checkpoint.
