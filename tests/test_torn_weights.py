@@ -179,7 +179,8 @@ def test_push_interrupted_by_ctrl_c_leaves_a_partial_server_paused(
     if applied < total:
         assert state == "paused" and "to finish: grctl push" in output, output
         assert_mixed(http)
-        assert f"A: {v['label_counts']['A']}, B: {v['label_counts']['B']}" in output
+        labels = re.search(r"labels (.+)", output).group(1)  # most common first
+        assert all(f"{k}: {n}" in labels for k, n in v["label_counts"].items()), output
     check_answers(http, ckpts)
     # The printed command finishes the job: one label everywhere, resumed, serving B.
     found = re.search(r"to finish: (.+)", output)
