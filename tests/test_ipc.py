@@ -409,6 +409,7 @@ def _sender_main() -> None:
     }
     if device == "cuda":
         entries["sglang"] = _serialize_like_patched_sglang(named)
+        entries["past_block"] = _serialize_past_its_block(named[0][1])
     print(json.dumps(entries), flush=True)
     sys.stdin.readline()
     del named, keep, verl, entries
@@ -428,6 +429,20 @@ def _serialize_like_patched_sglang(named) -> str:
     pickler = ipc._IpcPickler(buf)
     pickler.dispatch_table[torch.Tensor] = lambda t: (rebuild, ipc._reduce_tensor(t)[1])
     pickler.dump(named)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _serialize_past_its_block(tensor: torch.Tensor) -> str:
+    """A CUDA record whose storage claims 1 GiB more than the IPC block it names holds."""
+
+    def reduce(t: torch.Tensor):
+        rebuild, args = ipc._reduce_tensor(t)
+        return rebuild, (*args[:8], args[8] + (1 << 30), *args[9:])  # storage_size_bytes
+
+    buf = io.BytesIO()
+    pickler = ipc._IpcPickler(buf)
+    pickler.dispatch_table[torch.Tensor] = reduce
+    pickler.dump([("w", tensor)])
     return base64.b64encode(buf.getvalue()).decode()
 
 
@@ -465,6 +480,8 @@ def _round_trip_across_processes(device: str) -> None:
             raw = base64.b64decode(entries["bucket"])
             assert unpickler.cuda_device_uuid(0).encode() in raw  # arg 6 is the UUID
             torch.cuda.synchronize()
+            with pytest.raises(WeightValidationError, match="past its IPC block"):
+                decode_payload(entries["past_block"], None)  # last: torch caches by handle
     finally:
         gc.collect()
         child.communicate("exit\n", timeout=60)
