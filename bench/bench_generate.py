@@ -31,7 +31,7 @@ from grctl.engine.engine import Engine  # noqa: E402
 from grctl.engine.model_config import ModelConfig  # noqa: E402
 from grctl.engine.qwen3 import Qwen3ForCausalLM  # noqa: E402
 from grctl.engine.request import GenerateRequest, SamplingParams  # noqa: E402
-from grctl.weights import apply  # noqa: E402
+from grctl.weights import apply, dtypes  # noqa: E402
 
 PRESETS = {
     "cpu": dict(
@@ -187,7 +187,7 @@ def main() -> None:
     shape, device, width_max = preset["shape"], preset["device"], max(preset["widths"])
     dtype = args.dtype or preset["dtype"]
     transformers.logging.set_verbosity_error()
-    hf, ours = build(shape, getattr(torch, dtype), device)
+    hf, ours = build(shape, dtypes.SERVED_DTYPES[dtype], device)
     engine = Engine(ours, EngineConfig(device=device, max_new_tokens=NEW_TOKENS))
     engine.start()
     if args.decode_cost:

@@ -48,6 +48,7 @@ from bench.common import (  # noqa: E402
 )
 from bench.weight_push import reads_back  # noqa: E402
 from grctl.client import GRClient  # noqa: E402
+from grctl.weights import dtypes  # noqa: E402
 from grctl.weights.checkpoint import Checkpoint  # noqa: E402
 from tests.serverproc import REPO_ROOT, running_server  # noqa: E402
 
@@ -85,7 +86,7 @@ class Memcpy:
     times slower than one thread, so the reference is whichever is faster."""
 
     def __init__(self) -> None:
-        dtype = getattr(torch, ONE_GIB_CONFIG.torch_dtype)
+        dtype = dtypes.SERVED_DTYPES[ONE_GIB_CONFIG.torch_dtype]
         self.dst = [torch.zeros(s, dtype=dtype) for s in hf_shapes(ONE_GIB_CONFIG).values()]
         self.threads = torch.get_num_threads()
         self.times: dict[int, list[float]] = {self.threads: [], 1: []}

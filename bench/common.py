@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from grctl.engine.model_config import ModelConfig
+from grctl.weights import dtypes
 from grctl.weights.mapping import hf_names
 
 # About 1.08 GB in bf16 (540M parameters), HF Qwen3 layout, untied.
@@ -51,7 +52,7 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def write_random_checkpoint(path: Path, cfg: ModelConfig, num_shards: int = 4, seed: int = 0):
     """A random checkpoint in HF layout, sharded with an index; returns its size in bytes."""
     path.mkdir(parents=True, exist_ok=True)
-    dtype = getattr(torch, cfg.torch_dtype or "float32")
+    dtype = dtypes.SERVED_DTYPES[cfg.torch_dtype or "float32"]
     gen = torch.Generator().manual_seed(seed)
     shapes = hf_shapes(cfg)
     names = list(shapes)
