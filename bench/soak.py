@@ -16,7 +16,8 @@ pushed with its own name as weight_version.
   two in_place cycles in a row), and the next checkpoint is always another one.
 
 Every answer is checked as it arrives:
-- 5xx other than 503 `paused` (retryable), any 4xx, or a transport error: a violation;
+- 5xx other than 503 `paused` or `weights_mixed` (retryable, inside a sync cycle: a tensor push
+  leaves two labels between its chunks), any 4xx, or a transport error: a violation;
 - 200 with one version: output_ids equal transformers' outputs of that checkpoint;
 - 200 with two versions [A, B]: only during an in_place cycle A -> B, and output_ids equal what
   transformers gives when the first k tokens come from A (prefill and k-1 decode steps, their KV
@@ -197,8 +198,9 @@ class Checker:
         where = f"prompt {prompt}: {resp.status_code} {resp.text[:300]}"
         if resp.status_code == 503:
             err = resp.json().get("error", {})
-            if err.get("code") != "paused" or err.get("retryable") is not True:
-                return self.violation(f"503 not paused/retryable: {where}")
+            is_sync_503 = err.get("code") in ("paused", "weights_mixed")
+            if not is_sync_503 or err.get("retryable") is not True:
+                return self.violation(f"503 not paused/weights_mixed/retryable: {where}")
             if not self._overlapping(t0, t1):
                 return self.violation(f"503 paused outside any sync cycle: {where}")
             return self.count("paused_503")
