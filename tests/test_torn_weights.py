@@ -164,12 +164,20 @@ def push_and_signal(srv, http, ckpts, after: int, sig: int, tmp_path: Path):
 # ---- a grctl push stopped part-way ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("after", [pytest.param(3, marks=pytest.mark.slow), 20])
+@pytest.mark.parametrize(
+    ("sig", "after"),
+    [
+        pytest.param(signal.SIGINT, 3, marks=pytest.mark.slow, id="sigint-after-3"),
+        pytest.param(signal.SIGINT, 20, id="sigint-after-20"),
+        pytest.param(signal.SIGTERM, 10, marks=pytest.mark.slow, id="sigterm-after-10"),
+    ],
+)
 def test_push_interrupted_by_ctrl_c_leaves_a_partial_server_paused(
-    srv, http, ckpts, tmp_path, after
+    srv, http, ckpts, tmp_path, sig, after
 ):
-    code, output, base = push_and_signal(srv, http, ckpts, after, signal.SIGINT, tmp_path)
-    assert code == 130, output
+    code, output, base = push_and_signal(srv, http, ckpts, after, sig, tmp_path)
+    assert code == (130 if sig == signal.SIGINT else 143), output
+    assert f"push interrupted ({signal.Signals(sig).name})" in output
     found = re.search(r"(paused|resumed), (\d+) of (\d+) buckets applied", output)
     assert found, output
     state, applied, total = found.group(1), int(found.group(2)), int(found.group(3))
@@ -291,6 +299,12 @@ def test_relabel_clears_a_mix_and_session_end_reports_it(srv, http, ckpts):
     assert end.status_code == 409 and end.json()["success"] is False
     assert "1 carry version 'B'" in end.json()["message"]
     assert_error(http.post("/end_weight_update", json={}), 409, "conflict")  # none open now
+    # SGLang's weights_checker shape: a failed compare carries top-level success/message.
+    assert http.post("/weights_checker", json={"action": "snapshot"}).status_code == 200
+    post_chunks(srv.url, ckpts["A"]["path"], "A", [["model.norm.weight"]])
+    compare = http.post("/weights_checker", json={"action": "compare"})
+    assert compare.status_code == 400 and compare.json()["success"] is False
+    assert "norm.weight" in compare.json()["message"] and compare.json()["error"]["status"] == 400
     # The operator declares the mix intended: one label, served again.
     relabel = http.post("/update_weight_version", json={"new_version": "A+norm"})
     assert relabel.status_code == 200

@@ -108,3 +108,17 @@ def test_allow_partial_weight_update_serves_a_mix(model):
     while engine.run_step():
         pass
     assert engine.result(rid).weight_versions == ["B"]
+
+
+def test_relabel_while_a_request_runs_is_allowed_and_reported(model):
+    """SGLang's /update_weight_version with abort_all_requests false: no 409; the request goes on
+    and lists both labels."""
+    engine = Engine(model, EngineConfig(weight_version="A"))
+    rid = engine.submit(GenerateRequest((1, 2, 3), SamplingParams(max_new_tokens=4)))
+    assert engine.run_step()  # prefill under A: the request is in flight, nothing paused
+    assert WeightUpdater(engine).set_version("B", abort_all_requests=False) == 0
+    while engine.run_step():
+        pass
+    result = engine.result(rid)
+    assert result.finish_reason == "length" and result.weight_versions == ["A", "B"]
+    assert engine.versions.label_counts() == {"B": NUM_TENSORS}
