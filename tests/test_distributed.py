@@ -162,6 +162,25 @@ def test_full_broadcast_to_two_servers(urls, ckpts, load_format, seed, dtype):
         assert httpx.get(url + "/get_weight_version").json()["weight_version"] == f"seed{seed}"
 
 
+def test_a_partial_broadcast_leaves_the_weights_mixed_until_the_rest_arrives(urls, ckpts):
+    """Each broadcast bucket labels the tensors it wrote: half a model under a new label is a
+    mix the server refuses to serve; the whole model under it serves again."""
+    url, hf = urls[0], load_hf(ckpts["seed1"])
+    state = hf.state_dict()
+    part = [(n, t) for n, t in state.items() if n.startswith("model.layers.0.")]
+    with WeightBroadcaster([url], bucket_bytes=100_000) as wb:
+        wb.send(part, weight_version="part")
+        v = httpx.get(url + "/get_weight_version").json()
+        assert v["weights_mixed"] and v["label_counts"]["part"] == len(part)
+        sp = {"max_new_tokens": MAX_NEW}
+        assert_error(post(url, "/generate", {"input_ids": PROMPT, "sampling_params": sp}), 503,
+                     "weights_mixed")  # fmt: skip
+        wb.send(state.items(), weight_version="whole")
+    v = httpx.get(url + "/get_weight_version").json()
+    assert not v["weights_mixed"] and list(v["label_counts"]) == ["whole"]
+    assert greedy(url) == hf_greedy(hf)
+
+
 def test_tied_embeddings_stay_tied(ckpts):
     hf = load_hf(ckpts["tied4"])
     state = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}  # as SGLang's test

@@ -129,7 +129,10 @@ class WeightBroadcaster:
         flush_cache: bool = True,
     ) -> dict:
         """Broadcast HF-named tensors in buckets, one update call per bucket on every server.
-        Only the last call sets weight_version and flush_cache. Returns counts and seconds."""
+        Every call carries weight_version (each bucket's tensors take that label, as slime
+        sends it; a label on the last call alone would leave the rest under the old one, a
+        mix the server refuses to serve); only the last flushes the cache. Returns counts and
+        seconds."""
         if self.pg is None or self.is_broken:
             raise ValidationError(
                 f"weight update group {self.name!r} is not usable",
@@ -141,7 +144,7 @@ class WeightBroadcaster:
             self._send_bucket(
                 [n for n, _ in bucket],
                 tensors,
-                weight_version if is_last else None,
+                weight_version,
                 flush_cache and is_last,
             )
             num_tensors += len(tensors)
