@@ -129,7 +129,7 @@ def test_an_update_without_flush_drops_old_entries_at_once(model):
     run(eng, list(range(10, 30)))
     run(eng, list(range(40, 50)))
     assert eng.status()["prefill_cache"]["entries"] == 2
-    updater = WeightUpdater(eng, "v1")
+    updater = WeightUpdater(eng)
     norm = fresh.norm.weight.detach() * 1.5
     writes = apply.plan(fresh, [apply.TensorSpec("norm.weight", tuple(norm.shape), norm.dtype)],
                         require_full=False)  # fmt: skip

@@ -314,10 +314,11 @@ def test_relabel_clears_a_mix_and_session_end_reports_it(srv, http, ckpts):
 
 
 def test_allow_partial_weight_update_serves_the_mix(ckpts):
-    """The opt-out (env GR_ALLOW_PARTIAL_WEIGHT_UPDATE): labels still counted, nothing refused."""
+    """The opt-out (--allow-partial-updates, alias --allow-partial-weight-update): labels still
+    counted, nothing refused."""
     args = ("--allow-weight-update", "--model-path", str(ckpts["A"]["path"]))
-    extra = {"GR_ALLOW_PARTIAL_WEIGHT_UPDATE": "1"}
-    with running_server(*args, "--weight-version", "A", env=extra) as s, s.client() as c:
+    optout = "--allow-partial-weight-update"
+    with running_server(*args, optout, "--weight-version", "A") as s, s.client() as c:
         post_chunks(s.url, ckpts["B"]["path"], "B", [["model.norm.weight"]])
         v = versions(c)
         assert v["weights_mixed"] and v["label_counts"]["B"] == 1

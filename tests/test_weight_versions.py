@@ -99,8 +99,8 @@ def test_a_full_update_labels_every_tensor():
     assert versions.label_counts() == {"B": NUM_TENSORS} and not versions.is_mixed
 
 
-def test_allow_partial_weight_update_serves_a_mix(model):
-    engine = Engine(model, EngineConfig(weight_version="A", allow_partial_weight_update=True))
+def test_allow_partial_updates_serves_a_mix(model):
+    engine = Engine(model, EngineConfig(weight_version="A", allow_partial_updates=True))
     push(engine, [("model.norm.weight", hf_tensor(engine, "model.norm.weight"))], "B")
     assert engine.versions.is_mixed and not engine.is_weights_mixed
     assert engine.ready_reasons() == ["worker_not_running"]

@@ -75,8 +75,12 @@ class EngineConfig:
     pause_timeout_s: float = knob(
         60.0, "Longest wait for the running step when pausing.", "Weight updates", min=0.0
     )
-    allow_partial_weight_update: bool = knob(
-        False, "Serve tensors of mixed version labels (else 503).", "Weight updates"
+    allow_partial_updates: bool = knob(
+        False,
+        "Serve tensors of mixed version labels (else 503).",
+        "Weight updates",
+        aliases=("--allow-partial-weight-update",),
+        old_env=("GR_ALLOW_PARTIAL_WEIGHT_UPDATE",),
     )
 
     def __post_init__(self) -> None:

@@ -113,7 +113,7 @@ class EngineCore:
     @property
     def is_weights_mixed(self) -> bool:
         """Mixed labels refuse service, unless partial weight updates are allowed."""
-        return self.versions.is_mixed and not self.config.allow_partial_weight_update
+        return self.versions.is_mixed and not self.config.allow_partial_updates
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:

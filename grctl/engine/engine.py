@@ -240,19 +240,20 @@ class Engine(EngineCore):
     def set_weights_state(self, consistent: bool = True) -> None:
         """After a weight write that moves no label (a failed copy, a reset)."""
         with self._cond:
-            self.weights_generation += 1  # the weights were written: no cached KV is current
-            self.cache.drop_entries()  # so drop it now, not entry by entry on lookup
-            self._weights_consistent = consistent
-            self._cond.notify_all()
+            self._weights_written_locked(consistent)
 
     def record_weights(self, names: Iterable[str], label: str | None, **kw) -> None:
         """After a successful weight write: the written tensors' labels (WeightVersions.record)
         and the weights' state move together, under the lock a step reads them under."""
         with self._cond:
             self.versions.record(names, label, **kw)
-            self.weights_generation += 1
-            self._weights_consistent = True
-            self._cond.notify_all()
+            self._weights_written_locked(consistent=True)
+
+    def _weights_written_locked(self, consistent: bool) -> None:
+        self.weights_generation += 1  # the weights were written: no cached KV is current
+        self.cache.drop_entries()  # so drop it now, not entry by entry on lookup
+        self._weights_consistent = consistent
+        self._cond.notify_all()
 
     def relabel_weights(self, label: str, abort_all_requests: bool = False) -> int:
         """Every tensor takes `label`; running requests go on (they report both versions)
