@@ -277,6 +277,12 @@ def test_raw_partial_sync_then_continue_is_refused_until_the_rest_arrives(srv, h
     v = assert_mixed(http)
     assert v["label_counts"] == {"A": len(names) - 3, "B": 3}
     check_answers(http, ckpts)
+    # grctl status names the mix in its compact view, not just the last label
+    shown = subprocess.run(cli("status", "--url", srv.url), env=env(), capture_output=True,
+                           text=True, timeout=60)  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    assert "weights mixed" in shown.stdout
+    assert f"A: {len(names) - 3}, B: 3" in " ".join(shown.stdout.split())
     # The rest, by another trainer process: one label everywhere again.
     rest = [n for n in names if n not in [*first, "model.layers.1.self_attn.q_proj.weight"]]
     post_chunks(srv.url, path, "B", [rest[: len(rest) // 2], rest[len(rest) // 2 :]])

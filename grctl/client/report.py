@@ -165,15 +165,19 @@ def status_view(url: str, status: Status) -> Table:
     state = f"[yellow]paused ({sched.get('pause_mode')})[/yellow]" if paused else "serving"
     if not eng.get("weights_consistent", True):
         state = "[red]weights inconsistent (push a complete update)[/red]"
+    elif w.weights_mixed:
+        state = "[red]weights mixed (finish the sync or relabel)[/red]"
     last_ms = w.last_weight_update_ms
     table = Table(box=None, show_header=False, title=f"{url}: {state}", title_justify="left")
     table.add_column("part", style="bold")
     table.add_column("facts", overflow="fold")
     step = "" if w.token_step is None else f", token_step {w.token_step}"
+    mix = ", ".join(f"{label}: {n}" for label, n in w.label_counts.items())
     table.add_row(
         "weights",
         f"version {w.weight_version}{step}, {w.weight_update_count} update(s)"
-        + ("" if last_ms is None else f", last took {last_ms:.0f} ms"),
+        + ("" if last_ms is None else f", last took {last_ms:.0f} ms")
+        + (f"; [red]tensors by label {mix}[/red]" if w.weights_mixed else ""),
     )
     table.add_row(
         "requests",
