@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from typer import rich_utils
 
 import grctl
@@ -100,7 +101,7 @@ def main() -> None:
     except GrctlError as exc:
         if os.environ.get("GRCTL_DEBUG") == "1":
             err_console.print_exception()
-        err_console.print(f"[red]error:[/red] {exc}", highlight=False)
+        err_console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
         sys.exit(EXIT_FAILED)
     if code == EXIT_INTERRUPTED:  # Typer turns Ctrl-C into Exit(130)
         err_console.print("[red]interrupted[/red]")

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from grctl.cli_output import Json, command_output
 from grctl.cli_servers import ApiKey, Row, Timeout, Urls, console, each_server, finish
@@ -31,12 +32,14 @@ def table_of(title: str) -> Callable[[list[Row]], None]:
     keys = ("version", "num_items", "num_paths", "max_depth", "nbytes", "source")
 
     def show(rows: list[Row]) -> None:
+        if not rows:  # every server failed: the error lines say it all
+            return
         table = Table(title=title)
         table.add_column("server")
         for k in keys:
             table.add_column(k)
         for url, reply in rows:
-            table.add_row(url, *(str(getattr(reply, k, "")) for k in keys))
+            table.add_row(url, *(Text(str(getattr(reply, k, ""))) for k in keys))
         console.print(table)
 
     return show
@@ -93,7 +96,7 @@ def validate(
         table.add_column("check")
         table.add_column("value")
         for k, v in report.items():
-            table.add_row(k, json.dumps(v) if isinstance(v, (dict, list)) else str(v))
+            table.add_row(k, Text(json.dumps(v) if isinstance(v, (dict, list)) else str(v)))
         console.print(table)
 
     with command_output("catalog validate", json_) as out:

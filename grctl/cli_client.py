@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
+from rich.markup import escape
 
 from grctl.cli_output import Json, command_output, to_builtins
 from grctl.cli_servers import (
@@ -112,10 +113,12 @@ def run_verify(urls, checkpoint: Path, api_key=None, timeout: float = 120.0, as_
             for doc in docs:
                 url = doc["url"]
                 for line in doc.get("mismatches", []):
-                    console.print(f"[red]MISMATCH[/red] {url} {line}", highlight=False)
+                    console.print(f"[red]MISMATCH[/red] {url} {escape(str(line))}", highlight=False)
                 if doc["ok"]:
                     n, v = doc["num_tensors"], doc["weight_version"]
-                    console.print(f"[green]OK[/green] {url}: {n} tensors match (version {v})")
+                    console.print(
+                        f"[green]OK[/green] {url}: {n} tensors match (version {escape(str(v))})"
+                    )
 
         out.emit({"ok": all(d["ok"] for d in docs), "servers": docs}, human=show)
         unreachable = [(url, r) for url, r in rows if isinstance(r, GrctlError)]

@@ -64,6 +64,15 @@ def test_validate_bad_files_exit_1(tmp_path, content, needle):
     assert code == 1 and report["ok"] is False and needle in report["error"]
 
 
+def test_validate_table_shows_messages_verbatim(tmp_path):
+    """Messages hold brackets ('[int, ...]'): the human table prints them, not as Rich markup."""
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"item_id": 1}\n')
+    result = CliRunner().invoke(app, ["catalog", "validate", str(path)], terminal_width=200)
+    assert result.exit_code == 1
+    assert '"token_ids": [int, ...]' in result.stdout
+
+
 def reply(out) -> dict:
     return json.loads(out.stdout)["servers"][0]["reply"]
 

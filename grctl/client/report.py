@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -78,7 +79,9 @@ def sync_lines(console: Console, result: outcome.SyncResult) -> None:
     for col in ("state", "server", "version", "verified"):
         table.add_column(col, overflow="fold")
     for s in result.servers:
-        state = "[green]ok[/green]" if s.ok else f"[red]FAILED[/red] at {s.failed_stage}"
+        state = (
+            "[green]ok[/green]" if s.ok else f"[red]FAILED[/red] at {escape(str(s.failed_stage))}"
+        )
         version = "" if s.old_version is None else f"{s.old_version} -> {s.weight_version}"
         verified = {None: "", True: "[green]verified[/green]", False: "[red]differs[/red]"}
         table.add_row(state, s.url, version, verified[s.verified])
@@ -108,7 +111,8 @@ def sync_details(console: Console, result: outcome.SyncResult) -> None:
         table = Table(box=None, show_header=False, title=s.url, title_justify="left")
         table.add_column("key", style="bold")
         table.add_column("value", overflow="fold")
-        failed = f"[red]{s.failed_stage} failed[/red] ({s.error}); {s.left_as()}"
+        stage, error = escape(str(s.failed_stage)), escape(str(s.error))
+        failed = f"[red]{stage} failed[/red] ({error}); {escape(s.left_as())}"
         table.add_row("outcome", "[green]ok[/green]" if s.ok else failed)
         table.add_row("version", f"{s.old_version} -> {s.weight_version}")
         table.add_row("device", f"{s.device} {s.dtype}")
@@ -172,10 +176,10 @@ def status_view(url: str, status: Status) -> Table:
     table.add_column("part", style="bold")
     table.add_column("facts", overflow="fold")
     step = "" if w.token_step is None else f", token_step {w.token_step}"
-    mix = ", ".join(f"{label}: {n}" for label, n in w.label_counts.items())
+    mix = escape(", ".join(f"{label}: {n}" for label, n in w.label_counts.items()))
     table.add_row(
         "weights",
-        f"version {w.weight_version}{step}, {w.weight_update_count} update(s)"
+        f"version {escape(w.weight_version)}{escape(step)}, {w.weight_update_count} update(s)"
         + ("" if last_ms is None else f", last took {last_ms:.0f} ms")
         + (f"; [red]tensors by label {mix}[/red]" if w.weights_mixed else ""),
     )
@@ -205,6 +209,10 @@ def status_view(url: str, status: Status) -> Table:
     table.add_row(
         "engine",
         f"{eng.get('device')} {eng.get('dtype')}, {graphs}, up {eng.get('uptime_s', 0):.0f} s"
-        + (f", [red]{errors} error(s): {eng.get('last_error')}[/red]" if errors else ""),
+        + (
+            f", [red]{errors} error(s): {escape(str(eng.get('last_error')))}[/red]"
+            if errors
+            else ""
+        ),
     )
     return table
