@@ -29,15 +29,17 @@ catalog_app = typer.Typer(
 
 
 def table_of(title: str) -> Callable[[list[Row]], None]:
-    keys = ("version", "num_items", "num_paths", "max_depth", "nbytes", "source")
+    # reply field -> column header (short, so a row fits 80 columns)
+    keys = {"version": "version", "num_items": "items", "num_paths": "paths",
+            "max_depth": "depth", "nbytes": "bytes", "source": "source"}  # fmt: skip
 
     def show(rows: list[Row]) -> None:
         if not rows:  # every server failed: the error lines say it all
             return
         table = Table(title=title)
-        table.add_column("server")
-        for k in keys:
-            table.add_column(k)
+        table.add_column("server", overflow="fold")
+        for header in keys.values():
+            table.add_column(header, overflow="fold")
         for url, reply in rows:
             table.add_row(url, *(Text(str(getattr(reply, k, ""))) for k in keys))
         console.print(table)
