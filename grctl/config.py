@@ -55,7 +55,7 @@ class ServeConfig:
     )
     max_catalog_bytes: int = knob(1 << 30, "Largest catalog file (400 over it).", "Catalog", min=1)
     enable_memory_saver: bool = knob(
-        False, "Turn on the release/resume memory routes (verl).", "Weight updates"
+        False, "Say enable_memory_saver in /server_info.", "Weight updates"
     )
 
     def __post_init__(self) -> None:

@@ -172,8 +172,18 @@ def test_verl_delta_load_format_is_refused_with_what_to_send(srv):
         assert "delta" in err["message"]
 
 
-def test_memory_routes_need_the_flag(builtin_server):
+def test_memory_routes_served_as_in_sglang_without_the_memory_saver(builtin_server):
+    """As in SGLang, release/resume work whatever /server_info says of the memory saver (slime
+    compares that flag with its own); like every weight route they need --allow-weight-update."""
     with builtin_server.client() as http:
         assert http.get("/server_info").json()["enable_memory_saver"] is False
+        released = http.post("/release_memory_occupation", json={"tags": ["kv_cache"]})
+        assert released.status_code == 200 and released.json()["released"] == ["kv_cache"]
+        assert_error(http.post("/generate", json={"input_ids": [1, 2]}), 503, "memory_released")
+        resumed = http.post("/resume_memory_occupation", json={"tags": None})
+        assert resumed.status_code == 200 and resumed.json()["released"] == []
+        assert http.post("/generate", json={"input_ids": [1, 2]}).status_code == 200
+    with running_server() as plain, plain.client() as http:
         err = assert_error(http.post("/release_memory_occupation", json={}), 403, "route_disabled")
-        assert "--enable-memory-saver" in err["message"]
+        assert "--allow-weight-update" in err["message"]
+        assert http.get("/ready").status_code == 200  # nothing was released

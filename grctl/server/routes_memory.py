@@ -4,21 +4,21 @@ verl (free_cache_engine=True) frees the rollout's GPU memory before training and
 before the next rollout: release {"tags": ["kv_cache", "weights"]}, later resume {"tags":
 ["weights"]}, a weight push, resume {"tags": ["kv_cache"]}. Tags are SGLang's (`kv_cache`,
 `weights`, `cuda_graph`; null or [] = all); grctl/engine/memory.py says what each frees. While
-anything is released, /generate is a retryable 503 `memory_released`. On only with
---enable-memory-saver, which /server_info reports as `enable_memory_saver` (slime checks it).
+anything is released, /generate is a retryable 503 `memory_released`. Served, as in SGLang,
+whether or not the memory saver is reported on (`--enable-memory-saver` only sets what
+/server_info says, which slime compares with its own --offload-rollout); like every route that
+touches the weights, they need --allow-weight-update.
 No `from __future__ import annotations`: msgspec reads the Struct annotations at runtime.
 """
 
 import msgspec
 from litestar import Request, Router, route
-from litestar.connection import ASGIConnection
 from litestar.datastructures import State
-from litestar.handlers.base import BaseRouteHandler
 from msgspec import Struct
 
-from grctl.errors import RouteDisabled, ValidationError
+from grctl.errors import ValidationError
 from grctl.server.offload import offload
-from grctl.server.routes_weights import merged_params
+from grctl.server.routes_weights import merged_params, weight_update_guard
 from grctl.server.schemas import error_responses
 
 
@@ -39,14 +39,6 @@ async def tags_of(request: Request) -> list[str] | None:
     except msgspec.ValidationError as exc:
         raise ValidationError(f"bad tags: {exc}", hint='send {"tags": ["kv_cache"]}') from exc
     return body.tags
-
-
-def memory_saver_guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
-    if not connection.app.state.config.enable_memory_saver:
-        raise RouteDisabled(
-            f"{connection.url.path} is disabled",
-            hint="start the server with --enable-memory-saver (GR_ENABLE_MEMORY_SAVER=1)",
-        )
 
 
 @route(
@@ -80,6 +72,6 @@ async def resume_memory_occupation(state: State, request: Request) -> MemoryResp
 
 memory_router = Router(
     path="/",
-    guards=[memory_saver_guard],
+    guards=[weight_update_guard],
     route_handlers=[release_memory_occupation, resume_memory_occupation],
 )
