@@ -7,7 +7,7 @@ weight update and the cache flush are decided here, each under the core's one lo
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 from grctl.engine import memory
@@ -20,6 +20,7 @@ from grctl.errors import (
     Conflict,
     DuplicateRequestId,
     GenerateTimeout,
+    GrctlError,
     NotFound,
     NotReady,
     Overloaded,
@@ -32,6 +33,12 @@ from grctl.errors import (
 )
 
 PAUSE_MODES = ("abort", "retract", "in_place")
+_RETRY_ELSEWHERE = "retry on another server"
+_WORKER_DEAD = "the engine's worker thread has stopped; no request would run"
+_RESTART = "restart the server (its log says why the worker ended)"
+_RETRY_RESUMED = "retry after /continue_generation"
+_INCONSISTENT = "a weight update failed part-way; generation is refused"
+_PUSH_ALL = "push a complete weight update"
 
 
 def mode_done(mode: str) -> str:
@@ -54,24 +61,9 @@ class Engine(EngineCore):
         )
         self._check_kv_fits(req)
         with self._cond:
-            if self._stopping:
-                raise NotReady("the engine is stopping", hint="retry on another server")
-            if self._thread is not None and not self._thread.is_alive():
-                raise NotReady(
-                    "the engine's worker thread has stopped; no request would run",
-                    hint="restart the server (its log says why the worker ended)",
-                )
-            if self.is_weights_mixed:  # before paused: resuming will not help until it clears
-                raise self.mixed_error()
-            if self.pause_mode is not None:
-                raise Paused("generation is paused", hint="retry after /continue_generation")
-            if self.memory.released:
-                raise self.memory.error("generation is refused")
-            if not self._weights_consistent:
-                raise WeightsInconsistent(
-                    "a weight update failed part-way; generation is refused",
-                    hint="push a complete weight update",
-                )
+            refusals = self._refusals_locked()
+            if refusals:
+                raise refusals[0][1]()
             rid = req.request_id or self.stats.new_request_id()
             if rid in self._seqs or rid in self.results:
                 raise DuplicateRequestId(f"request id {rid!r} is already in use")
@@ -88,6 +80,28 @@ class Engine(EngineCore):
             self.stats.num_submitted += 1
             self._cond.notify_all()
         return rid
+
+    def _refusals_locked(self) -> list[tuple[str, Callable[[], GrctlError]]]:
+        """Why generation is refused now, the most decisive first: (the /ready reason, a maker
+        of the error submit raises). One list, so /ready and submit never disagree."""
+        out: list[tuple[str, Callable[[], GrctlError]]] = []
+        if self._stopping:
+            out.append(
+                ("stopping", lambda: NotReady("the engine is stopping", hint=_RETRY_ELSEWHERE))
+            )
+        if self._thread is not None and not self._thread.is_alive():  # started, then died
+            out.append(("worker_not_running", lambda: NotReady(_WORKER_DEAD, hint=_RESTART)))
+        if self.is_weights_mixed:  # before paused: resuming will not help until it clears
+            out.append(("weights_mixed", self.mixed_error))
+        if self.is_paused:
+            out.append(("paused", lambda: Paused("generation is paused", hint=_RETRY_RESUMED)))
+        if self.memory.released:
+            out.append(("memory_released", lambda: self.memory.error("generation is refused")))
+        if not self._weights_consistent:
+            out.append(
+                ("weights_inconsistent", lambda: WeightsInconsistent(_INCONSISTENT, hint=_PUSH_ALL))
+            )
+        return out
 
     def _check_kv_fits(self, req: GenerateRequest) -> None:
         """A request whose KV alone exceeds the budget could never be admitted: refuse it now."""
@@ -304,16 +318,8 @@ class Engine(EngineCore):
     # ---- introspection ------------------------------------------------------------------
     def ready_reasons(self) -> list[str]:
         with self._cond:
-            reasons = []
-            if self.is_paused:
-                reasons.append("paused")
-            if not self._weights_consistent:
-                reasons.append("weights_inconsistent")
-            if self.memory.released:
-                reasons.append("memory_released")
-            if self.is_weights_mixed:
-                reasons.append("weights_mixed")
-            if not self.is_worker_alive:
+            reasons = [reason for reason, _ in self._refusals_locked()]
+            if self._thread is None:  # never started (a died worker is among the refusals)
                 reasons.append("worker_not_running")
             if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
                 reasons.append("waiting_queue_full")
