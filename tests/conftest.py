@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,7 +11,12 @@ import pytest
 import torch
 
 from tests.checkpoints import write_checkpoint
-from tests.serverproc import ServerProc, running_server
+from tests.serverproc import REPO_ROOT, ServerProc, running_server
+
+# A meta-device model (the push's plan stage) makes torch create its inductor cache directory,
+# /tmp/torchinductor_<user> by default: keep it in the repository's ignored pytest cache instead,
+# for this process and the servers and CLI processes the tests start (they inherit os.environ).
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO_ROOT / ".pytest_cache" / "torchinductor"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
