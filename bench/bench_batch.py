@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.serverproc import running_server  # noqa: E402
+from tests.support.serverproc import running_server  # noqa: E402
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import ONE_GIB_CONFIG, memcpy_seconds, write_random_checkpoint  # noqa: E402
 from grctl.client.distributed import DEFAULT_BUCKET_BYTES, WeightBroadcaster  # noqa: E402
-from tests.serverproc import running_server  # noqa: E402
+from tests.support.serverproc import running_server  # noqa: E402
 
 
 def load_state(path: Path) -> dict[str, torch.Tensor]:

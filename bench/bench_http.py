@@ -35,7 +35,7 @@ from grctl.config import ServeConfig  # noqa: E402
 from grctl.engine.config import EngineConfig  # noqa: E402
 from grctl.engine.request import GenerateRequest, SamplingParams  # noqa: E402
 from grctl.server.serve import build_engine  # noqa: E402
-from tests.serverproc import running_server  # noqa: E402
+from tests.support.serverproc import running_server  # noqa: E402
 
 BEAMS = (1, 32)
 CONCURRENCY = (1, 8, 32)

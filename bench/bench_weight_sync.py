@@ -50,7 +50,7 @@ from bench.weight_push import reads_back  # noqa: E402
 from grctl.client import GRClient  # noqa: E402
 from grctl.weights import dtypes  # noqa: E402
 from grctl.weights.checkpoint import Checkpoint  # noqa: E402
-from tests.serverproc import REPO_ROOT, running_server  # noqa: E402
+from tests.support.serverproc import REPO_ROOT, running_server  # noqa: E402
 
 PARTS = ("disk", "window", "tensor")
 # (part, key, sub-key or None, at most): the CPU targets of issues 5 and 6, judged on best-of.

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from grctl.engine.model_config import ModelConfig
+from grctl.model.config import ModelConfig
 from grctl.weights import dtypes
 from grctl.weights.mapping import hf_names
 

@@ -14,9 +14,9 @@ import torch
 
 from grctl.engine.config import EngineConfig
 from grctl.engine.engine import Engine
-from grctl.engine.model_config import ModelConfig
-from grctl.engine.qwen3 import Qwen3ForCausalLM
 from grctl.engine.request import GenerateRequest, SamplingParams
+from grctl.model.config import ModelConfig
+from grctl.model.qwen3 import Qwen3ForCausalLM
 from grctl.weights.loader import empty_model, export_hf
 
 H200_BF16_PEAK = 989e12  # dense bf16 FLOP/s (NVIDIA's H200 SXM figure)
@@ -206,7 +206,7 @@ def generate_part(device: torch.device, shape: dict, dry_run: bool) -> dict:
         f"{out['prefill_share_of_bf16_peak']:.3f} of bf16 peak (target >= 0.6 for 8B)",
     ]
     out["profile_top10"] = profile(eng, prompts[0], width, device)
-    from grctl.engine import attention
+    from grctl.model import attention
 
     # False: the fused CUDA kernel refused a shape and decode fell back to the fp32 math path
     out["decode_attention_fused"] = device.type != "cuda" or attention._cuda_fused[0]

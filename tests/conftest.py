@@ -10,8 +10,8 @@ import httpx
 import pytest
 import torch
 
-from tests.checkpoints import write_checkpoint
-from tests.serverproc import REPO_ROOT, ServerProc, running_server
+from tests.support.checkpoints import write_checkpoint
+from tests.support.serverproc import REPO_ROOT, ServerProc, running_server
 
 # A meta-device model (the push's plan stage) makes torch create its inductor cache directory,
 # /tmp/torchinductor_<user> by default: keep it in the repository's ignored pytest cache instead,

@@ -31,7 +31,7 @@ def stage_device(
     """Where to stage for a server on `server_device` ("cpu", "cuda:0"): CUDA IPC needs the same
     GPU. The server's index is its own (its CUDA_VISIBLE_DEVICES may differ from ours), so a
     server that reports its GPU's UUID is found by UUID; `override` wins over both."""
-    from grctl.engine.device import gpu_uuid as uuid_of
+    from grctl.model.device import gpu_uuid as uuid_of
 
     dev = torch.device(override or server_device or "cpu")
     if dev.type == "cuda":

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from grctl.engine.model_config import ModelConfig
-from grctl.engine.qwen3 import Qwen3ForCausalLM
+from grctl.model.config import ModelConfig
+from grctl.model.qwen3 import Qwen3ForCausalLM
 from grctl.weights.checkpoint import Checkpoint, plan_checkpoint
 
 

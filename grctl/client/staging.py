@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from grctl.errors import GrctlError
-from grctl.weights import ipc
 from grctl.weights.apply import TensorSpec
 from grctl.weights.checkpoint import Checkpoint
+from grctl.weights.wire import ipc
 
 ALIGN = 16  # byte alignment of each tensor inside a bucket
 MiB = 1 << 20

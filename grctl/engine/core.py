@@ -16,17 +16,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from grctl.engine.device import bind_thread
 from grctl.engine.executor import Executor
 from grctl.engine.kv_cache import request_kv_bytes
 from grctl.engine.memory import MemorySaver
 from grctl.engine.model_runner import ModelRunner
 from grctl.engine.prefill_cache import PrefillCache
-from grctl.engine.qwen3 import Qwen3ForCausalLM
 from grctl.engine.results import ResultStore
 from grctl.engine.scheduler import Scheduler
 from grctl.engine.sequence import Sequence, Status
 from grctl.engine.stats import EngineStats
+from grctl.model.device import bind_thread
+from grctl.model.qwen3 import Qwen3ForCausalLM
 from grctl.weights.versions import WeightVersions
 
 if TYPE_CHECKING:

@@ -18,8 +18,8 @@ from functools import partial
 
 import torch
 
-from grctl.engine.qwen3 import Qwen3ForCausalLM
-from grctl.engine.rope import rope_cos_sin
+from grctl.model.qwen3 import Qwen3ForCausalLM
+from grctl.model.rope import rope_cos_sin
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # attend(layer, q [rows, H, D], k [rows, KV, D], v [rows, KV, D], out [bucket, H * D])

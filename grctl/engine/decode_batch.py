@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from grctl.engine import attention
+from grctl.model import attention
 
 if TYPE_CHECKING:
-    from grctl.engine.model_config import ModelConfig
     from grctl.engine.model_runner import DecodeItem
+    from grctl.model.config import ModelConfig
 
 
 class DecodeBatch:

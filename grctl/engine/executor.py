@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from grctl.engine import beam_select
-from grctl.engine.beam import Beams
-from grctl.engine.beam_select import Block
 from grctl.engine.kv_cache import BeamKV, ContextKV
 from grctl.engine.model_runner import DecodeItem, ModelRunner
 from grctl.engine.prefill_cache import Entry, PrefillCache
-from grctl.engine.sampler import Sampler
+from grctl.engine.search import beam_select
+from grctl.engine.search.beam import Beams
+from grctl.engine.search.beam_select import Block
+from grctl.engine.search.sampler import Sampler
 from grctl.engine.sequence import Sequence
 
 

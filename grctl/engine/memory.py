@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from grctl.engine.device import bind_thread
 from grctl.errors import MemoryReleased, ValidationError
+from grctl.model.device import bind_thread
 
 log = logging.getLogger("grctl.engine")
 

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-from grctl.engine.attention import prefill_attention
 from grctl.engine.decode_batch import DecodeBatch
 from grctl.engine.kv_cache import BeamKV, ContextKV
-from grctl.engine.qwen3 import Qwen3ForCausalLM
-from grctl.engine.rope import rope_cos_sin
+from grctl.model.attention import prefill_attention
+from grctl.model.qwen3 import Qwen3ForCausalLM
+from grctl.model.rope import rope_cos_sin
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from grctl.engine.logits_processors import LogitsRule
+from grctl.engine.search.logits_processors import LogitsRule
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from grctl.engine.beam import Beams
 from grctl.engine.kv_cache import BeamKV, ContextKV
 from grctl.engine.request import GenerateRequest, GenerateResult, ItemResult
+from grctl.engine.search.beam import Beams
 
 if TYPE_CHECKING:
     from grctl.catalog.store import Catalog

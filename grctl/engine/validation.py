@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import math
 
-from grctl.engine.logits_processors import check_token_range
-from grctl.engine.model_config import ModelConfig
 from grctl.engine.request import GenerateRequest
+from grctl.engine.search.logits_processors import check_token_range
 from grctl.errors import ValidationError
+from grctl.model.config import ModelConfig
 
 MAX_REQUEST_ID_LEN = 256
 

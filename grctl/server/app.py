@@ -33,12 +33,12 @@ from grctl.server.exceptions import EXCEPTION_HANDLERS
 from grctl.server.limits import BodyLimitMiddleware
 from grctl.server.metrics import Metrics, MetricsMiddleware
 from grctl.server.openapi import openapi_config, swagger_assets
-from grctl.server.routes_catalog import catalog_routes
-from grctl.server.routes_distributed import distributed_router
-from grctl.server.routes_generate import generate_routes
-from grctl.server.routes_info import info_routes
-from grctl.server.routes_memory import memory_router
-from grctl.server.routes_weights import weight_router
+from grctl.server.routes.catalog import catalog_routes
+from grctl.server.routes.distributed import distributed_router
+from grctl.server.routes.generate import generate_routes
+from grctl.server.routes.info import info_routes
+from grctl.server.routes.memory import memory_router
+from grctl.server.routes.weights import weight_router
 from grctl.server.wire import load_tokenizer
 from grctl.weights.checker import WeightsChecker
 from grctl.weights.loader import DEFAULT_MODEL_NAME

@@ -7,10 +7,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from grctl.engine.logits_processors import parse_logits_processors
 from grctl.engine.request import GenerateRequest, GenerateResult, SamplingParams
+from grctl.engine.search.logits_processors import parse_logits_processors
 from grctl.errors import DuplicateRequestId, ValidationError
-from grctl.server.schemas import (
+from grctl.protocol.catalog import ItemResultOut
+from grctl.protocol.generate import (
     BeamMetaInfo,
     BeamOut,
     FinishReason,
@@ -19,7 +20,6 @@ from grctl.server.schemas import (
     MetaInfo,
     SamplingParamsBody,
 )
-from grctl.server.schemas_catalog import ItemResultOut
 
 log = logging.getLogger("grctl.server")
 

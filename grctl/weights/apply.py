@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from grctl.engine.device import synchronize
-from grctl.engine.model_config import ModelConfig
 from grctl.errors import GrctlError, WeightValidationError
+from grctl.model.config import ModelConfig
+from grctl.model.device import synchronize
 from grctl.weights import pinned
 from grctl.weights.dtypes import WEIGHT_DTYPES, name_of
 from grctl.weights.mapping import resolve

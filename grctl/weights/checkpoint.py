@@ -22,9 +22,10 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from grctl.engine.model_config import ModelConfig
 from grctl.errors import ValidationError, WeightValidationError
-from grctl.weights import apply, faults
+from grctl.model.config import ModelConfig
+from grctl.testing import faults
+from grctl.weights import apply
 from grctl.weights.apply import TensorSpec
 from grctl.weights.dtypes import SAFETENSORS
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from grctl.engine.model_config import ModelConfig
-from grctl.engine.qwen3 import Qwen3ForCausalLM
 from grctl.errors import ValidationError
+from grctl.model.config import ModelConfig
+from grctl.model.qwen3 import Qwen3ForCausalLM
 from grctl.weights.checkpoint import Checkpoint, copy_checkpoint, plan_checkpoint
 from grctl.weights.dtypes import SERVED_DTYPES, name_of
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from grctl.engine.model_config import ModelConfig
+from grctl.model.config import ModelConfig
 
 # HF segment -> (fused segment, shard key). Shard keys index the row ranges of `shard_rows`.
 PACKED = {

@@ -23,8 +23,8 @@ from typing import TypeVar
 
 import torch
 
-from grctl.engine.device import bind_thread
 from grctl.errors import Conflict, WeightsMixedConflict
+from grctl.model.device import bind_thread
 from grctl.weights import apply
 from grctl.weights.apply import WeightCopyError, Write
 from grctl.weights.versions import WeightVersions

@@ -21,7 +21,7 @@ import threading
 from collections import Counter
 from collections.abc import Iterable
 
-from grctl.engine.model_config import ModelConfig
+from grctl.model.config import ModelConfig
 from grctl.weights.mapping import hf_names, resolve
 
 Rows = tuple[int | None, int | None]  # (None, None): the whole parameter

@@ -1,0 +1,160 @@
+"""`grctl catalog status | reload PATH | rollback | validate PATH`.
+
+status, reload and rollback call servers (--url, repeatable; --api-key); validate reads a file
+here, with no server: counts, the depth histogram, collisions, items no beam can reach, and
+token ids outside the vocabulary (--vocab-size, or the config.json of --model-path); it exits 1
+on a file a server would refuse. Every command takes --json: one JSON document on stdout, the
+shape every client command uses (grctl/cli/output.py; docs/cli.md).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.table import Table
+from rich.text import Text
+
+from grctl.cli.output import Json, command_output
+from grctl.cli.servers import ApiKey, Row, Timeout, Urls, console, each_server, finish
+from grctl.errors import ValidationError
+
+catalog_app = typer.Typer(
+    help="The item catalog: status, reload and rollback on servers; validate a file here.",
+    no_args_is_help=True,
+)
+
+
+def table_of(title: str) -> Callable[[list[Row]], None]:
+    # reply field -> column header (short, so a row fits 80 columns)
+    keys = {"version": "version", "num_items": "items", "num_paths": "paths",
+            "max_depth": "depth", "nbytes": "bytes", "source": "source"}  # fmt: skip
+
+    def show(rows: list[Row]) -> None:
+        if not rows:  # every server failed: the error lines say it all
+            return
+        table = Table(title=title)
+        table.add_column("server", overflow="fold")
+        for header in keys.values():
+            table.add_column(header, overflow="fold")
+        for url, reply in rows:
+            table.add_row(url, *(Text(str(getattr(reply, k, ""))) for k in keys))
+        console.print(table)
+
+    return show
+
+
+def on_servers(name: str, urls, api_key, timeout: float, as_json: bool, call) -> None:
+    """Call every server; --json: the shared document (grctl/cli/output.py), else a table."""
+    with command_output(f"catalog {name}", as_json) as out:
+        finish(out, each_server(urls, api_key, timeout, call), table_of(f"catalog {name}"))
+
+
+@catalog_app.command("status")
+def status(url: Urls = None, api_key: ApiKey = None, timeout: Timeout = 30.0, json_: Json = False):
+    """The catalog each server serves: version, counts, bytes, source."""
+    on_servers("status", url, api_key, timeout, json_, lambda gr: gr.catalog_status())
+
+
+@catalog_app.command("reload")
+def reload(
+    path: Annotated[str, typer.Argument(help="The catalog JSONL, as the server sees its path.")],
+    url: Urls = None,
+    api_key: ApiKey = None,
+    timeout: Timeout = 300.0,
+    json_: Json = False,
+):
+    """Build the catalog at PATH on each server and serve it (needs --allow-catalog-reload)."""
+    on_servers("reload", url, api_key, timeout, json_, lambda gr: gr.catalog_reload(path))
+
+
+@catalog_app.command("rollback")
+def rollback(
+    url: Urls = None, api_key: ApiKey = None, timeout: Timeout = 30.0, json_: Json = False
+):
+    """Serve the catalog from before the last reload again."""
+    on_servers("rollback", url, api_key, timeout, json_, lambda gr: gr.catalog_rollback())
+
+
+@catalog_app.command("validate")
+def validate(
+    path: Annotated[Path, typer.Argument(help="The catalog JSONL to check.")],
+    vocab_size: Annotated[
+        Optional[int], typer.Option(min=1, help="Token ids must be below this.")
+    ] = None,
+    model_path: Annotated[
+        Optional[Path], typer.Option(help="Read the vocabulary size from its config.json.")
+    ] = None,
+    json_: Json = False,
+):
+    """Check a catalog file here (no server); exit 1 if a server would refuse it."""
+    report = run_validate(str(path), vocab_size, model_path)
+
+    def show() -> None:
+        table = Table(title=f"catalog {path}")
+        table.add_column("check")
+        table.add_column("value")
+        for k, v in report.items():
+            table.add_row(k, Text(json.dumps(v) if isinstance(v, (dict, list)) else str(v)))
+        console.print(table)
+
+    with command_output("catalog validate", json_) as out:
+        out.emit(report, human=show)
+    if not report["ok"]:
+        raise typer.Exit(1)
+
+
+def run_validate(path: str, vocab_size: int | None, model_path: Path | None) -> dict[str, Any]:
+    import torch
+
+    from grctl.catalog.loader import read_catalog
+    from grctl.catalog.trie import Trie
+
+    if vocab_size is None and model_path is not None:
+        vocab_size = vocab_of(model_path)
+    report: dict[str, Any] = {"path": path, "ok": False, "vocab_size": vocab_size}
+    try:
+        rows = read_catalog(path)
+    except ValidationError as exc:
+        report["error"] = str(exc)
+        return report
+    stats = Trie(rows.paths, rows.lengths, torch.device("cpu")).stats
+    report.update(
+        num_items=stats.num_items,
+        num_paths=stats.num_paths,
+        num_nodes=stats.num_nodes,
+        max_depth=stats.max_depth,
+        depth_histogram={str(d): c for d, c in stats.depth_histogram.items()},
+        num_collision_paths=stats.num_collision_paths,
+        num_collision_items=stats.num_collision_items,
+        num_shadowed_items=stats.num_shadowed_items,
+        file_bytes=rows.file_bytes,
+    )
+    out_of_range = 0
+    if vocab_size is not None:
+        bad_rows = (rows.paths >= vocab_size).any(axis=1)
+        out_of_range = int(bad_rows.sum())
+        if out_of_range:  # read again with the limit: its message names the first line
+            try:
+                read_catalog(path, vocab_size=vocab_size)
+            except ValidationError as exc:
+                report["error"] = f"{out_of_range} item(s) outside the vocabulary; {exc}"
+    report["num_items_out_of_range"] = out_of_range
+    report["ok"] = "error" not in report
+    return report
+
+
+def vocab_of(model_path: Path) -> int:
+    try:
+        raw = json.loads((model_path / "config.json").read_text())
+        return int(raw["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        msg = f"cannot read vocab_size from {model_path}/config.json: {exc}"
+        raise ValidationError(msg) from None
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(catalog_app, name="catalog")

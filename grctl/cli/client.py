@@ -1,0 +1,357 @@
+"""Client commands: push, pause, resume, flush, status, verify, demo.
+
+Each command is a thin Typer signature over a plain `run_*` function. Failures raise GrctlError:
+`grctl.cli.main` prints it as one red line (traceback with GRCTL_DEBUG=1) and exits 1; usage
+errors exit 2, Ctrl-C 130. Every command takes --url (repeatable, env GR_URL), --api-key (env
+GR_API_KEY, or the older GR_HTTP_API_KEY) and --json (one JSON document on stdout, through
+grctl/cli/output.py). Registered onto the app by `register(app)` at the end of grctl/cli/app.py.
+"""
+
+from __future__ import annotations
+
+import shlex
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.markup import escape
+
+from grctl.cli import report
+from grctl.cli.output import Json, command_output, to_builtins
+from grctl.cli.servers import (
+    ApiKey,
+    Row,
+    Timeout,
+    Urls,
+    Verbose,
+    console,
+    each_server,
+    err_console,
+    finish,
+    replies,
+    server_doc,
+)
+from grctl.client import outcome
+from grctl.errors import GrctlError
+
+
+class Transport(str, Enum):
+    tensor = "tensor"
+    disk = "disk"
+
+
+TRANSPORT_HELP = (
+    "tensor: this process stages buckets on the server's device (shared memory or CUDA IPC); "
+    "disk: the servers read the checkpoint path themselves."
+)
+
+
+class PauseMode(str, Enum):
+    abort = "abort"
+    retract = "retract"
+    in_place = "in_place"
+
+
+def run_pause(urls, mode: str, api_key=None, timeout: float = 30.0, as_json=False) -> None:
+    with command_output("pause", as_json) as out:
+        rows = each_server(urls, api_key, timeout, lambda gr: gr.pause_generation(mode))
+        finish(out, rows, replies(f"pause_generation (mode={mode})"))
+
+
+def run_resume(urls, api_key=None, timeout: float = 30.0, as_json=False) -> None:
+    with command_output("resume", as_json) as out:
+        rows = each_server(urls, api_key, timeout, lambda gr: gr.continue_generation())
+        finish(out, rows, replies("continue_generation"))
+
+
+def run_flush(
+    urls, retries: int, interval: float, api_key=None, timeout: float = 30.0, as_json=False
+) -> None:
+    with command_output("flush", as_json) as out:
+        rows = each_server(
+            urls, api_key, timeout, lambda gr: gr.flush_cache_until_ok(retries, interval)
+        )
+        finish(out, rows, replies("flush_cache"))
+
+
+def run_status(urls, api_key=None, timeout: float = 30.0, as_json=False) -> None:
+    def show(rows: list[Row]) -> None:
+        for url, status in rows:
+            console.print(report.status_view(url, status))
+
+    with command_output("status", as_json) as out:
+        rows = each_server(urls, api_key, timeout, lambda gr: gr.status())
+        finish(out, rows, show, as_doc=lambda st: {**st.sections, "weights": st.weights})
+
+
+def run_verify(urls, checkpoint: Path, api_key=None, timeout: float = 120.0, as_json=False):
+    """Every served tensor's sha256 against the checkpoint cast to the served dtype."""
+    from grctl.client.verify import CheckpointDigests, mismatches
+
+    with command_output("verify", as_json) as out:
+        rows = each_server(urls, api_key, timeout, lambda gr: gr.weights_checker("checksum"))
+        docs, bad = [], {}
+        with_digests = CheckpointDigests(checkpoint)
+        try:
+            for url, check in rows:
+                if isinstance(check, GrctlError):
+                    docs.append(server_doc(url, check))
+                    continue
+                found = mismatches(check, with_digests)
+                if found:
+                    bad[url] = found
+                docs.append({"url": url, "ok": not found, "weight_version": check.weight_version,
+                             "num_tensors": len(check.tensors), "mismatches": found})  # fmt: skip
+        finally:
+            with_digests.close()
+
+        def show() -> None:
+            for doc in docs:
+                url = doc["url"]
+                for line in doc.get("mismatches", []):
+                    console.print(f"[red]MISMATCH[/red] {url} {escape(str(line))}", highlight=False)
+                if doc["ok"]:
+                    n, v = doc["num_tensors"], doc["weight_version"]
+                    console.print(
+                        f"[green]OK[/green] {url}: {n} tensors match (version {escape(str(v))})"
+                    )
+
+        out.emit({"ok": all(d["ok"] for d in docs), "servers": docs}, human=show)
+        unreachable = [(url, r) for url, r in rows if isinstance(r, GrctlError)]
+        problems = [f"{url}: {len(lines)} tensor(s) differ ({shorten(lines)})"
+                    for url, lines in bad.items()]  # fmt: skip
+        problems += [f"{url}: {outcome.describe(exc)}" for url, exc in unreachable]
+        if problems:
+            num = len(bad) + len(unreachable)
+            raise GrctlError(f"verification failed on {num} server(s): " + "; ".join(problems))
+
+
+def shorten(lines: list[str], shown: int = 4) -> str:
+    names = [line.split(":")[0] for line in lines]
+    more = f", and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+def run_push(
+    urls, checkpoint: Path, *, verify: bool, api_key=None, as_json=False, verbose=False, **sync_kw
+):
+    """WeightSync with a progress bar, then the summary (also when it fails). Ctrl-C or
+    SIGTERM: each server's state and the command that finishes the job; exit 130 / 143."""
+    from grctl.client.outcome import SyncError, SyncInterrupted, Terminated
+    from grctl.client.sync import WeightSync
+
+    version, token_step = sync_kw.pop("weight_version", None), sync_kw.pop("token_step", None)
+    transport = sync_kw.get("transport", "tensor")
+    finish = finish_command(checkpoint, transport, sync_kw, version, token_step, api_key)
+
+    def show(result) -> None:
+        (report.sync_details if verbose else report.sync_lines)(console, result)
+        partial = [o.url for o in result.servers if o.is_partial]
+        if partial:
+            err_console.print(report.finish_hint(partial, finish), highlight=False, soft_wrap=True)
+
+    try:
+        with command_output("push", as_json) as out:
+            with (
+                on_sigterm(Terminated),
+                report.push_progress(err_console, transport) as on_progress,
+                WeightSync(
+                    urls,  # None: DEFAULT_URL, unless a router names the servers
+                    api_key=api_key,
+                    verify=verify,
+                    on_progress=on_progress,
+                    **sync_kw,
+                ) as sync,
+            ):
+                try:
+                    result = sync.run(checkpoint, weight_version=version, token_step=token_step)
+                except SyncError as exc:
+                    failed = exc.result
+                    doc = {"ok": False, "error": exc.to_dict(), "result": sync_doc(failed, finish)}
+                    out.emit(doc, human=lambda: show(failed))
+                    raise
+                except SyncInterrupted as exc:
+                    stopped = exc.result
+
+                    def tell() -> None:
+                        text = report.interrupted_report(stopped, finish)
+                        err_console.print(text, highlight=False, soft_wrap=True)
+
+                    error = {"code": "interrupted", "message": str(exc), "retryable": True}
+                    doc = {"ok": False, "error": error, "result": sync_doc(stopped, finish)}
+                    out.emit(doc, human=tell)
+                    raise typer.Exit(143 if stopped.interrupted_by == "SIGTERM" else 130) from None
+            out.emit({"ok": True, "result": sync_doc(result, finish)}, human=lambda: show(result))
+    except KeyboardInterrupt as exc:  # before WeightSync started: nothing was paused
+        raise typer.Exit(143 if isinstance(exc, Terminated) else 130) from None
+    return result
+
+
+def sync_doc(result, finish) -> dict[str, Any]:
+    servers = [
+        {
+            **to_builtins(s),
+            "ok": s.ok,
+            "state": s.left_as() if not s.ok else "ok",
+            "partial": s.is_partial,
+            **({"finish_command": finish(s.url)} if s.is_partial else {}),
+        }
+        for s in result.servers
+    ]
+    return {**to_builtins(result), "servers": servers, "push_gbps": result.push_gbps}
+
+
+def finish_command(checkpoint, transport, sync_kw, version, token_step, api_key):
+    """`url -> the grctl push that finishes the job on that server` (the whole push, again)."""
+    args = ["grctl", "push", "--checkpoint", str(Path(checkpoint).resolve())]
+    args += ["--transport", transport]
+    if transport == "tensor":
+        args += ["--bucket-mb", f"{sync_kw.get('bucket_mb', 512):g}"]
+    if version is not None:
+        args += ["--weight-version", str(version)]
+    if token_step is not None:
+        args += ["--token-step", str(token_step)]
+    tail = ' --api-key "$GR_API_KEY"' if api_key else ""
+    return lambda url: shlex.join([*args, "--url", url]) + tail
+
+
+@contextmanager
+def on_sigterm(exc_type: type[BaseException]) -> Iterator[None]:
+    """SIGTERM raises `exc_type` in the main thread (as Ctrl-C raises KeyboardInterrupt), so a
+    push stops through the same path; the previous handler comes back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise exc_type()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def push(
+    checkpoint: Annotated[
+        Path, typer.Option(metavar="DIR", help="HF checkpoint directory to push.")
+    ],
+    url: Urls = None,
+    router: Annotated[
+        Optional[str],
+        typer.Option(envvar="GR_ROUTER", help="sglang-router URL: push to every worker it lists."),
+    ] = None,
+    transport: Annotated[Transport, typer.Option(help=TRANSPORT_HELP)] = Transport.tensor,
+    chunked: Annotated[
+        Optional[bool],
+        typer.Option(help="Several buckets, else one (tensor only; default: chunked)."),
+    ] = None,
+    bucket_mb: Annotated[
+        Optional[float],
+        typer.Option(min=0.0001, metavar="MB", help="Bucket MiB (tensor only; default: 512)."),
+    ] = None,
+    weight_version: Annotated[Optional[str], typer.Option(help="Version label to set.")] = None,
+    token_step: Annotated[Optional[int], typer.Option(help="Training step label.")] = None,
+    pause_mode: Annotated[PauseMode, typer.Option(help="How to pause.")] = PauseMode.abort,
+    verify: Annotated[bool, typer.Option(help="Compare every tensor's sha256 after.")] = True,
+    flush_retries: Annotated[int, typer.Option(min=1, help="flush_cache tries.")] = 60,
+    flush_interval: Annotated[float, typer.Option(min=0, help="Seconds between tries.")] = 1.0,
+    api_key: ApiKey = None,
+    timeout: Annotated[float, typer.Option(min=1, help="Seconds per update call.")] = 600.0,
+    json: Json = False,
+    verbose: Verbose = False,
+) -> None:
+    """Pause, flush, push a checkpoint, resume and verify, on one server or a fleet."""
+    if transport is Transport.disk and (chunked is not None or bucket_mb is not None):
+        flag = "--chunked/--no-chunked" if chunked is not None else "--bucket-mb"
+        raise typer.BadParameter(
+            f"{flag} applies to --transport tensor only: with disk the servers read the "
+            "checkpoint files themselves",
+            param_hint="'--transport disk'",
+        )
+    run_push(
+        url,
+        checkpoint,
+        verify=verify,
+        api_key=api_key,
+        as_json=json,
+        verbose=verbose,
+        transport=transport.value,
+        chunked=True if chunked is None else chunked,
+        bucket_mb=512 if bucket_mb is None else bucket_mb,
+        weight_version=weight_version,
+        token_step=token_step,
+        pause_mode=pause_mode.value,
+        flush_retries=flush_retries,
+        flush_interval=flush_interval,
+        update_timeout=timeout,
+        router=router,
+    )
+
+
+def pause(
+    url: Urls = None,
+    mode: PauseMode = PauseMode.abort,
+    api_key: ApiKey = None,
+    timeout: Timeout = 30,
+    json: Json = False,
+) -> None:
+    """Pause generation (abort, retract or in_place)."""
+    run_pause(url, mode.value, api_key, timeout, json)
+
+
+def resume(
+    url: Urls = None, api_key: ApiKey = None, timeout: Timeout = 30, json: Json = False
+) -> None:
+    """Resume generation (continue_generation)."""
+    run_resume(url, api_key, timeout, json)
+
+
+def flush(
+    url: Urls = None,
+    retries: Annotated[int, typer.Option(min=1, help="Tries before giving up.")] = 60,
+    interval: Annotated[float, typer.Option(min=0, help="Seconds between tries.")] = 1.0,
+    api_key: ApiKey = None,
+    timeout: Timeout = 30,
+    json: Json = False,
+) -> None:
+    """Flush the prefill cache, retrying while requests still hold KV (slime's loop)."""
+    run_flush(url, retries, interval, api_key, timeout, json)
+
+
+def status(
+    url: Urls = None, api_key: ApiKey = None, timeout: Timeout = 30, json: Json = False
+) -> None:
+    """Show each server's state in a few lines (--json: all of /status)."""
+    run_status(url, api_key, timeout, json)
+
+
+def verify(
+    checkpoint: Annotated[Path, typer.Option(help="HF checkpoint directory to compare with.")],
+    url: Urls = None,
+    api_key: ApiKey = None,
+    timeout: Timeout = 120,
+    json: Json = False,
+) -> None:
+    """Compare every served tensor's sha256 with the checkpoint's (exit 1 on a mismatch)."""
+    run_verify(url, checkpoint, api_key, timeout, json)
+
+
+def demo(
+    device: Annotated[str, typer.Option(help="Device of the demo server.")] = "cpu",
+) -> None:
+    """Start a server, generate, push perturbed weights (tensor), restore them (disk), verify."""
+    from grctl.cli.demo import run_demo
+
+    run_demo(console, device=device)
+
+
+def register(app: typer.Typer) -> None:
+    for fn in (push, pause, resume, flush, status, verify, demo):
+        app.command(fn.__name__)(fn)

@@ -1,0 +1,63 @@
+"""Catalog routes: GET /catalog/status, POST /catalog/reload {"path"}, POST /catalog/rollback.
+
+Reload and rollback are off unless --allow-catalog-reload (403 route_disabled). A reload builds
+the new catalog in a worker thread beside the one being served and swaps it in one assignment;
+a request keeps the catalog it was submitted with. A file that cannot be served is a 400 naming
+its line, and the old catalog keeps serving.
+"""
+
+from __future__ import annotations
+
+from litestar import Router, get, post
+from litestar.connection import ASGIConnection
+from litestar.datastructures import State
+from litestar.handlers.base import BaseRouteHandler
+
+from grctl.errors import RouteDisabled
+from grctl.protocol.catalog import CatalogReloadBody, CatalogStatus
+from grctl.server.offload import offload
+
+
+def catalog_reload_guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+    if not connection.app.state.config.allow_catalog_reload:
+        raise RouteDisabled(
+            f"{connection.url.path} is disabled",
+            hint="start the server with --allow-catalog-reload (or GR_ALLOW_CATALOG_RELOAD=1)",
+        )
+
+
+def status_of(state: State) -> CatalogStatus:
+    return CatalogStatus(**state.engine.catalogs.status())
+
+
+@get("/catalog/status", summary="The served item catalog: version, counts, bytes, source")
+async def catalog_status(state: State) -> CatalogStatus:
+    return status_of(state)
+
+
+@post(
+    "/catalog/reload",
+    status_code=200,
+    summary="Build the catalog at `path` beside the served one, then swap it in",
+)
+async def catalog_reload(state: State, data: CatalogReloadBody | None = None) -> CatalogStatus:
+    store = state.engine.catalogs
+    path = store.checked_path((data or CatalogReloadBody()).path)
+    await offload(state, store.load, path)
+    return status_of(state)
+
+
+@post(
+    "/catalog/rollback",
+    status_code=200,
+    summary="Serve the catalog from before the last reload again",
+)
+async def catalog_rollback(state: State) -> CatalogStatus:
+    state.engine.catalogs.rollback()
+    return status_of(state)
+
+
+catalog_router = Router(
+    path="/", guards=[catalog_reload_guard], route_handlers=[catalog_reload, catalog_rollback]
+)
+catalog_routes = [catalog_status, catalog_router]

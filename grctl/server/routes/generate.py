@@ -1,0 +1,183 @@
+"""Generation routes: /generate, /submit, /submit_many, /poll, /result, /cancel, /abort_request.
+
+Engine calls that wait (generate, result) run in a worker thread (offload.py); the others only
+take the engine's lock briefly (it is never held during a model step), so they run on the event
+loop. /generate takes one prompt or, as SGLang does, a batch: input_ids [[...], ...] (or text
+[...]) answers a list of replies in order, computed in the same engine batch.
+"""
+
+from __future__ import annotations
+
+from litestar import Request, get, post
+from litestar.datastructures import State
+from litestar.params import Parameter
+from litestar.status_codes import HTTP_202_ACCEPTED
+
+from grctl.engine.request import GenerateRequest, GenerateResult
+from grctl.engine.validation import validate_request
+from grctl.errors import DuplicateRequestId, PayloadTooLarge
+from grctl.errors import ValidationError as BadRequest
+from grctl.protocol.generate import (
+    AbortRequestBody,
+    AbortRequestResponse,
+    CancelBody,
+    CancelResponse,
+    GenerateBody,
+    GenerateResponse,
+    PollResponse,
+    SubmitManyBody,
+    SubmitManyResponse,
+    SubmitResponse,
+    error_responses,
+)
+from grctl.server.disconnect import unless_disconnected
+from grctl.server.offload import offload
+from grctl.server.wire import to_requests, to_response
+
+
+async def run_to_end(state: State, reqs: list[GenerateRequest]) -> list[GenerateResult]:
+    """Submit all, wait for all, up to --generate-timeout-s; the engine cancels what overruns,
+    and a cancelled handler cancels its requests."""
+    engine = state.engine
+    results = await offload(
+        state,
+        engine.generate_many,
+        reqs,
+        timeout=state.config.generate_timeout_s,
+        on_cancel=lambda: engine.discard([r.request_id for r in reqs]),
+    )
+    for result in results:
+        state.metrics.observe_result(result)
+    return results
+
+
+@post(
+    "/generate",
+    status_code=200,
+    summary="Generate (SGLang-compatible); n > 1 is beam search; a batch of prompts gives a list",
+    responses=error_responses(400, 409, 413, 429, 503, 504),
+)
+async def generate(
+    state: State, request: Request, data: GenerateBody | None = None
+) -> GenerateResponse | list[GenerateResponse]:
+    reqs, is_batch = to_requests(data or GenerateBody(), state.tokenizer)
+    # A client that goes away cancels its requests (run_to_end's on_cancel).
+    results = await unless_disconnected(request, lambda: run_to_end(state, reqs))
+    replies = [to_response(r, state.tokenizer) for r in results]
+    return replies if is_batch else replies[0]
+
+
+@post(
+    "/submit",
+    status_code=HTTP_202_ACCEPTED,
+    summary="Queue one request; poll for it",
+    responses=error_responses(400, 409, 413, 429, 503),
+)
+async def submit(state: State, data: GenerateBody | None = None) -> SubmitResponse:
+    reqs, is_batch = to_requests(data or GenerateBody(), state.tokenizer)
+    if is_batch:
+        raise BadRequest("/submit takes one prompt", hint="use /submit_many for a batch")
+    return SubmitResponse(request_id=state.engine.submit(reqs[0]))
+
+
+@post(
+    "/submit_many",
+    status_code=HTTP_202_ACCEPTED,
+    summary="Queue a batch, all or none",
+    responses=error_responses(400, 409, 413, 429, 503),
+)
+async def submit_many(state: State, data: SubmitManyBody | None = None) -> SubmitManyResponse:
+    bodies = data.requests if data else []
+    limit = state.config.max_http_submit_many
+    if len(bodies) > limit:
+        raise PayloadTooLarge(
+            f"submit_many takes at most {limit} requests, got {len(bodies)}",
+            hint="split the batch, or raise --max-http-submit-many",
+        )
+    engine, cfg = state.engine, state.engine.config
+    reqs = [one_request(b, state.tokenizer) for b in bodies]
+    for req in reqs:  # every row passes the engine's own checks before any is queued
+        validate_request(
+            req,
+            engine.model.config,
+            max_context_len=cfg.max_context_len,
+            max_beam_width=cfg.max_beam_width,
+            max_new_tokens_limit=cfg.max_new_tokens,
+        )
+    ids = [r.request_id for r in reqs]
+    if len(set(ids)) != len(ids):
+        raise DuplicateRequestId("the batch repeats a request id; nothing was queued")
+    queued: list[str] = []
+    try:
+        for req in reqs:
+            queued.append(engine.submit(req))
+    except Exception:  # paused, overloaded or a taken id part-way: take the batch back
+        await offload(state, engine.discard, queued)
+        raise
+    return SubmitManyResponse(request_ids=queued)
+
+
+def one_request(body: GenerateBody, tokenizer) -> GenerateRequest:
+    reqs, is_batch = to_requests(body, tokenizer)
+    if is_batch:
+        raise BadRequest("each /submit_many request takes one prompt, not a batch")
+    return reqs[0]
+
+
+@get(
+    "/poll/{request_id:str}",
+    summary="Whether a request has finished, and its reply if so",
+    responses=error_responses(404),
+)
+async def poll(state: State, request_id: str) -> PollResponse:
+    result = state.engine.poll(request_id)
+    if result is None:
+        return PollResponse(ready=False)
+    return PollResponse(ready=True, response=to_response(result, state.tokenizer))
+
+
+@get(
+    "/result/{request_id:str}",
+    summary="Wait for a request's reply (504 after `timeout`)",
+    responses=error_responses(404, 504),
+)
+async def result(
+    state: State,
+    request_id: str,
+    timeout: float | None = Parameter(default=None, ge=0, description="seconds to wait"),
+) -> GenerateResponse:
+    wait = state.config.generate_timeout_s if timeout is None else timeout
+    res = await offload(state, state.engine.result, request_id, timeout=wait)
+    state.metrics.observe_result(res)
+    return to_response(res, state.tokenizer)
+
+
+@post(
+    "/cancel",
+    status_code=200,
+    summary="Cancel one request by request_id",
+    responses=error_responses(400, 404),
+)
+async def cancel(state: State, data: CancelBody | None = None) -> CancelResponse:
+    request_id = data and (data.request_id or data.rid)
+    if not request_id:
+        raise BadRequest("request_id is required")
+    cancelled = state.engine.cancel(request_id)
+    if not cancelled:
+        state.engine.poll(request_id)  # NotFound (404) unless it finished and awaits fetching
+    return CancelResponse(request_id=request_id, cancelled=cancelled)
+
+
+@post("/abort_request", status_code=200, summary="Abort one request (rid) or all (abort_all)")
+async def abort_request(state: State, data: AbortRequestBody | None = None) -> AbortRequestResponse:
+    body = data or AbortRequestBody()
+    if body.abort_all:
+        num = state.engine.abort_all()
+    elif body.rid:  # SGLang semantics: an unknown or finished rid is not an error
+        num = int(state.engine.cancel(body.rid))
+    else:
+        num = 0
+    return AbortRequestResponse(success=True, num_aborted_requests=num)
+
+
+generate_routes = [generate, submit, submit_many, poll, result, cancel, abort_request]

@@ -1,0 +1,204 @@
+"""Health, readiness, status, metrics, discovery and /flush_cache (always on)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from litestar import Response, get, post
+from litestar.datastructures import State
+from litestar.enums import MediaType
+from litestar.params import Parameter
+
+import grctl
+from grctl.engine.request import GenerateRequest, SamplingParams
+from grctl.errors import CacheBusy, GrctlError, NotReady
+from grctl.model.device import gpu_uuid
+from grctl.protocol.generate import (
+    FlushCacheBody,
+    FlushCacheResponse,
+    HealthResponse,
+    LoadsResponse,
+    ModelInfo,
+    ReadyResponse,
+    ServerInfo,
+)
+from grctl.server.metrics import numeric_gauges, split_series
+from grctl.server.offload import offload
+from grctl.server.wire import new_request_id
+
+EXEMPT = {"auth_exempt": True}
+HEALTH_GENERATE_TIMEOUT_S = 30.0
+
+
+def served_model_name(state: State) -> str:
+    return state.config.served_model_name or state.model_path
+
+
+@get("/health", opt=EXEMPT, summary="Liveness: the HTTP server answers")
+async def health() -> HealthResponse:
+    return HealthResponse(ok=True)
+
+
+@get("/ready", opt=EXEMPT, summary="Readiness: 200 when the engine takes requests, else 503")
+async def ready(state: State) -> Response[ReadyResponse]:
+    engine = state.engine
+    reasons = engine.ready_reasons()
+    body = ReadyResponse(
+        ready=not reasons,
+        reasons=reasons,
+        paused=engine.is_paused,
+        weight_version=engine.weight_version,
+        num_in_flight=engine.num_in_flight(),
+    )
+    return Response(body, status_code=503 if reasons else 200)
+
+
+@get("/status", summary="Scheduler, prefill cache, engine, weights and catalog state")
+async def status(state: State) -> dict[str, Any]:
+    engine = state.engine
+    return {
+        **engine.status(),
+        "weights": engine.versions.as_dict(),
+        "catalog": engine.catalogs.status(),
+    }
+
+
+@get(
+    "/metrics",
+    media_type=MediaType.TEXT,
+    opt={"metrics": True},  # open unless --metrics-auth (auth.py)
+    summary="Prometheus text format",
+)
+async def metrics(state: State) -> str:
+    engine = state.engine
+    weights = engine.versions.as_dict()
+    weights.pop("label_counts")  # labels are free text, not metric names
+    counters, gauges = split_series(numeric_gauges("gr", {**engine.status(), "weights": weights}))
+    gauges["gr_ready"] = float(not engine.ready_reasons())
+    gauges["gr_in_flight_requests"] = float(engine.num_in_flight())
+    return state.metrics.render(gauges, counters)
+
+
+@get("/v1/loads", summary="Request counts, as SGLang reports them to slime's abort loop")
+async def loads(state: State) -> LoadsResponse:
+    scheduler = state.engine.status()["scheduler"]
+    return LoadsResponse(
+        num_reqs=state.engine.num_in_flight(),
+        num_waiting_reqs=scheduler["num_waiting"],
+        num_running_reqs=scheduler["num_running"],
+    )
+
+
+@get(["/server_info", "/get_server_info"], summary="Server arguments slime reads at start")
+async def server_info(state: State) -> ServerInfo:
+    cfg, model = state.config.engine, state.engine.model
+    param = next(model.parameters())
+    return ServerInfo(
+        model_path=state.model_path,
+        weight_version=state.engine.weight_version,
+        device=str(param.device),
+        gpu_uuid=gpu_uuid(param.device),
+        dtype=str(param.dtype).removeprefix("torch."),
+        served_model_name=served_model_name(state),
+        enable_memory_saver=state.config.enable_memory_saver,
+        context_length=cfg.max_context_len,
+        max_running_requests=cfg.max_running_requests,
+        max_waiting_requests=cfg.max_waiting_requests,
+        max_beam_width=cfg.max_beam_width,
+        max_new_tokens=cfg.max_new_tokens,
+        enable_prefill_cache=cfg.enable_prefill_cache,
+        allow_weight_update=state.config.allow_weight_update,
+        version=grctl.__version__,
+    )
+
+
+@get(["/model_info", "/get_model_info"], summary="The served model and its weight version")
+async def model_info(state: State) -> ModelInfo:
+    return ModelInfo(
+        model_path=state.model_path,
+        served_model_name=served_model_name(state),
+        weight_version=state.engine.weight_version,
+        tokenizer_path=state.model_path if state.tokenizer is not None else None,
+        vocab_size=state.engine.model.config.vocab_size,
+        model_config=state.engine.model.config.to_hf(),
+    )
+
+
+@get("/health_generate", summary="Runs a one-token generate: 200, or 503 when it cannot")
+async def health_generate(state: State) -> HealthResponse:
+    req = GenerateRequest(
+        input_ids=(0,),
+        sampling=SamplingParams(max_new_tokens=1, ignore_eos=True),
+        request_id=f"health_generate-{new_request_id()}",
+    )
+    try:
+        await offload(
+            state,
+            state.engine.generate,
+            req,
+            timeout=HEALTH_GENERATE_TIMEOUT_S,
+            on_cancel=lambda: state.engine.discard([req.request_id]),
+        )
+    except GrctlError as exc:
+        raise NotReady(f"health generate failed: {exc}") from exc
+    return HealthResponse(ok=True)
+
+
+def flush_hint(pause_mode: str | None) -> str:
+    """What would let the flush through, given how the server is (or is not) paused."""
+    if pause_mode == "in_place":
+        return (
+            "the server is paused in_place, which keeps the requests' KV: resume it, or pause "
+            "with mode abort or retract, then flush"
+        )
+    if pause_mode is not None:  # abort/retract: only the step in flight holds KV, briefly
+        return "the step in flight ends shortly: retry, or pass a timeout to wait"
+    return "pause generation first (POST /pause_generation), or pass a timeout to wait"
+
+
+async def flush(state: State, timeout: float | None) -> Response[FlushCacheResponse]:
+    ok, cleared = await offload(state, state.engine.flush_cache, timeout=timeout or 0.0)
+    if ok:
+        return Response(FlushCacheResponse(success=True, entries_cleared=cleared), status_code=200)
+    busy = CacheBusy(
+        "cannot flush the cache while requests hold KV or are being computed",
+        hint=flush_hint(state.engine.pause_mode),
+    )
+    body = FlushCacheResponse(success=False, message=str(busy), error=busy.to_dict())
+    return Response(body, status_code=400)
+
+
+TimeoutQuery = Parameter(default=None, ge=0, description="seconds to wait for an idle engine")
+
+
+@get("/flush_cache", summary="Clear the prefill cache (SGLang-style 400 while busy)")
+async def flush_cache_get(
+    state: State, timeout: float | None = TimeoutQuery
+) -> Response[FlushCacheResponse]:
+    return await flush(state, timeout)
+
+
+@post(
+    "/flush_cache",
+    status_code=200,
+    summary="Clear the prefill cache; `timeout` from the query or the body",
+)
+async def flush_cache_post(
+    state: State, data: FlushCacheBody | None = None, timeout: float | None = TimeoutQuery
+) -> Response[FlushCacheResponse]:
+    body_timeout = data.timeout if data else None
+    return await flush(state, timeout if timeout is not None else body_timeout)
+
+
+info_routes = [
+    health,
+    ready,
+    status,
+    metrics,
+    loads,
+    server_info,
+    model_info,
+    health_generate,
+    flush_cache_get,
+    flush_cache_post,
+]

@@ -1,0 +1,356 @@
+"""Weight-sync routes (docs/http-api.md "Weight sync"), off unless --allow-weight-update.
+
+Handlers stay thin: parse a Struct, call the engine or the WeightUpdater (app.state.updater) in a
+worker thread, return a Struct. The routes sit on one Router that carries the
+--allow-weight-update guard; the update routes sit on a nested Router with opt sglang_errors=True,
+so their errors also hold top-level `success: false` and `message`, which SGLang-style clients
+read.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+from pathlib import Path
+
+import msgspec
+from litestar import Request, Router, get, post, route
+from litestar.connection import ASGIConnection
+from litestar.datastructures import State
+from litestar.handlers.base import BaseRouteHandler
+
+from grctl.errors import Forbidden, RouteDisabled, ValidationError
+from grctl.protocol.weights import (
+    BeginWeightUpdateBody,
+    ContinueResponse,
+    GetWeightsBody,
+    GetWeightsResponse,
+    PauseBody,
+    PauseResponse,
+    SuccessResponse,
+    TensorChecksum,
+    UpdateFromDiskBody,
+    UpdateFromTensorBody,
+    UpdateWeightsResponse,
+    UpdateWeightVersionBody,
+    UpdateWeightVersionResponse,
+    WeightsCheckerBody,
+    WeightsCheckerResponse,
+    WeightVersionResponse,
+    version_str,
+)
+from grctl.server import logs
+from grctl.server.offload import offload
+from grctl.weights import checker, disk, tensor
+from grctl.weights.views import read_rows
+
+UPDATE_OPT = {"sglang_errors": True}
+
+
+def weight_update_guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+    if not connection.app.state.config.allow_weight_update:
+        raise RouteDisabled(
+            f"{connection.url.path} is disabled",
+            hint="start the server with --allow-weight-update (or GR_ALLOW_WEIGHT_UPDATE=1)",
+        )
+
+
+def require_weights(state: State) -> None:
+    """Reading or writing the weights while /release_memory_occupation holds them on the host
+    is a 503 (the engine refuses a write again under its lock)."""
+    if state.engine.memory.is_released("weights"):
+        raise state.engine.memory.error("the weights cannot be read or written")
+
+
+@post("/pause_generation", status_code=200, summary="Pause: abort | retract | in_place")
+async def pause_generation(state: State, data: PauseBody | None = None) -> PauseResponse:
+    mode = (data or PauseBody()).mode
+    num = await offload(state, state.engine.pause, mode)
+    logs.event("pause", mode=mode, aborted=num)
+    return PauseResponse(paused=True, mode=mode, num_aborted_requests=num)
+
+
+@post(
+    "/continue_generation",
+    status_code=200,
+    summary="Resume generation after a pause (409 weights_mixed while the weights are mixed)",
+)
+async def continue_generation(state: State) -> ContinueResponse:
+    state.engine.resume()
+    logs.event("continue")
+    return ContinueResponse(paused=False)
+
+
+@get("/get_weight_version", summary="The served weight version, step, update count and labels")
+async def get_weight_version(state: State) -> WeightVersionResponse:
+    info = state.engine.versions.as_dict()
+    return WeightVersionResponse(
+        weight_version=info["weight_version"],
+        token_step=info["token_step"],
+        weight_update_count=info["weight_update_count"],
+        weights_mixed=info["weights_mixed"],
+        label_counts=info["label_counts"],
+    )
+
+
+@post(
+    "/begin_weight_update",
+    status_code=200,
+    summary="Open SGLang's weight-update session (updates work without one too)",
+)
+async def begin_weight_update(
+    state: State, data: BeginWeightUpdateBody | None = None
+) -> SuccessResponse:
+    selector = (data or BeginWeightUpdateBody()).selector
+    if selector != "all":
+        raise ValidationError(f"selector {selector!r} is not served; grctl has one model: 'all'")
+    await offload(state, state.updater.begin_session)
+    return SuccessResponse(success=True, message="weight update session opened")
+
+
+@post(
+    "/end_weight_update",
+    status_code=200,
+    summary="Close the session: the label counts; 409 weights_mixed if it leaves them mixed",
+)
+async def end_weight_update(state: State) -> SuccessResponse:
+    message = await offload(state, state.updater.end_session)
+    return SuccessResponse(success=True, message=message)
+
+
+@post("/update_weight_version", status_code=200, summary="Relabel the live weights")
+async def update_weight_version(
+    state: State, data: UpdateWeightVersionBody | None = None
+) -> UpdateWeightVersionResponse:
+    body = data or UpdateWeightVersionBody()
+    new_version = version_str(body.new_version)
+    if new_version is None:
+        raise ValidationError("new_version is required")
+    await offload(state, state.updater.set_version, new_version, body.abort_all_requests)
+    logs.event("weight_version", version=new_version)
+    return UpdateWeightVersionResponse(
+        success=True, new_version=new_version, message=f"Weight version updated to {new_version}"
+    )
+
+
+async def merged_params(request: Request) -> dict:
+    """Query parameters overlaid by a JSON body (SGLang's tests send GET with a JSON body)."""
+    params: dict = dict(request.query_params)
+    raw = await request.body()
+    if raw.strip():
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            raise ValidationError(f"body is not valid JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise ValidationError("body must be a JSON object")
+        params.update(body)
+    return params
+
+
+@route(
+    "/get_weights_by_name",
+    http_method=["GET", "POST"],
+    status_code=200,
+    summary="Read a parameter back",
+)
+async def get_weights_by_name(state: State, request: Request) -> GetWeightsResponse:
+    try:
+        body = msgspec.convert(await merged_params(request), GetWeightsBody, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ValidationError(f"bad get_weights_by_name body: {exc}") from exc
+    if not body.name:
+        raise ValidationError("name is required")
+    require_weights(state)
+    # In a worker thread and between updates: a read never sees a half-written model.
+    read = partial(read_rows, state.engine.model, body.name, body.truncate_size)
+    return GetWeightsResponse(parameter=await offload(state, state.updater.read, read))
+
+
+@post(
+    "/weights_checker",
+    status_code=200,
+    summary="snapshot | reset_tensors | compare | checksum",
+)
+async def weights_checker(
+    state: State, data: WeightsCheckerBody | None = None
+) -> WeightsCheckerResponse:
+    action = (data or WeightsCheckerBody()).action
+    require_weights(state)
+    model, wc, read = state.engine.model, state.weights_checker, state.updater.read
+    # Each read runs between updates (the updater's lock), in a worker thread.
+    if action == "checksum":
+        sums = await offload(state, read, checker.checksums, model)
+        return WeightsCheckerResponse(
+            success=True,
+            weight_version=state.engine.weight_version,
+            algorithm=checker.ALGORITHM,
+            tensors={k: TensorChecksum(**v) for k, v in sums.items()},
+        )
+    if action == "snapshot":
+        n = await offload(state, read, wc.snapshot, model)
+        return WeightsCheckerResponse(success=True, message=f"snapshot of {n} parameters")
+    if action == "reset_tensors":
+        n = await offload(state, state.updater.reset_tensors)
+        return WeightsCheckerResponse(success=True, message=f"reset {n} parameters")
+    if action == "compare":
+        bad = await offload(state, read, wc.compare, model)
+        if bad:
+            raise ValidationError(
+                f"{len(bad)} parameter(s) differ from the snapshot: " + ", ".join(bad[:16])
+            )
+        return WeightsCheckerResponse(success=True, message="all parameters equal the snapshot")
+    raise ValidationError(
+        f"unknown action {action!r}; use snapshot, reset_tensors, compare or checksum"
+    )
+
+
+def checked_model_path(state: State, body: UpdateFromDiskBody) -> str:
+    path = body.model_path or body.model_dir
+    if not path:
+        raise ValidationError("model_path is required (alias model_dir)")
+    if "\x00" in path:
+        raise ValidationError("model_path contains a NUL byte")
+    root = state.config.weights_root
+    if root is not None:
+        resolved, allowed = Path(path).resolve(), Path(root).resolve()
+        if resolved != allowed and allowed not in resolved.parents:
+            raise Forbidden(
+                f"model_path {path!r} resolves outside the weights root",
+                hint=f"updates from disk may only read under {str(allowed)!r} (--weights-root)",
+            )
+    return path
+
+
+@post(
+    "/update_weights_from_disk",
+    status_code=200,
+    summary="Load an HF checkpoint from disk into the live model, in place",
+)
+async def update_weights_from_disk(
+    state: State, data: UpdateFromDiskBody | None = None
+) -> UpdateWeightsResponse:
+    body = data or UpdateFromDiskBody()
+    require_weights(state)
+    path = checked_model_path(state, body)
+    if body.load_format not in (None, "auto", "safetensors", "pt"):
+        raise ValidationError(
+            f"load_format {body.load_format!r} is not supported from disk; omit it or use auto"
+        )
+    outcome = await offload(
+        state,
+        disk.update_from_disk,
+        state.updater,
+        path,
+        **update_options(body),
+    )
+    state.model_path = path
+    return update_response(
+        state, outcome, "Succeeded to update model weights from disk.", path, transport="disk"
+    )
+
+
+@post(
+    "/update_weights_from_tensor",
+    status_code=200,
+    summary="Apply one pushed chunk (SGLang wire format: CUDA IPC or shared memory)",
+)
+async def update_weights_from_tensor(
+    state: State, data: UpdateFromTensorBody | None = None
+) -> UpdateWeightsResponse:
+    body = data or UpdateFromTensorBody()
+    if body.serialized_named_tensors is None:
+        raise ValidationError("serialized_named_tensors is required")
+    refuse_custom_loader(body.load_format)
+    require_weights(state)
+    outcome = await offload(
+        state,
+        tensor.update_from_tensor,
+        state.updater,
+        body.serialized_named_tensors,
+        body.load_format,
+        **update_options(body),
+    )
+    return update_response(
+        state, outcome, "Succeeded to update model weights from tensor.", transport="tensor"
+    )
+
+
+def refuse_custom_loader(load_format: str | None) -> None:
+    """SGLang runs a load_format that is an import path as a weight loader; grctl runs no code
+    named by a request. verl's delta sync sends one (sparse positions and values)."""
+    if load_format is not None and "." in load_format:
+        raise ValidationError(
+            f"load_format {load_format!r} names a custom weight loader (verl's delta sync sends "
+            "one); grctl does not run loaders named in a request",
+            hint="send full tensors with load_format null, 'direct' or 'flattened_bucket'; "
+            "in verl, turn delta weight sync off",
+        )
+
+
+def update_options(body) -> dict:
+    """The options every update route shares, as WeightUpdater.run takes them."""
+    return {
+        "weight_version": version_str(body.weight_version),
+        "token_step": body.token_step,
+        "flush_cache": body.flush_cache,
+        "abort_all_requests": body.abort_all_requests,
+    }
+
+
+def update_response(
+    state: State, outcome, message: str, model_dir: str | None = None, *, transport: str
+):
+    versions = state.engine.versions
+    log_update(state, transport, outcome)
+    return UpdateWeightsResponse(
+        success=True,
+        message=message,
+        model_dir=model_dir,
+        tensors_loaded=outcome.tensors_loaded,
+        flushed_cache=outcome.flushed_cache,
+        num_aborted_requests=outcome.num_aborted_requests,
+        weight_version=versions.current,
+        token_step=versions.token_step,
+        elapsed_ms=outcome.elapsed_ms,
+    )
+
+
+def log_update(state: State, transport: str, outcome) -> None:
+    logs.event(
+        "weight_update",
+        transport=transport,
+        tensors=outcome.tensors_loaded,
+        bytes=outcome.num_bytes,
+        ms=outcome.elapsed_ms,
+        version=state.engine.weight_version,
+        aborted=outcome.num_aborted_requests,
+        flushed_cache=outcome.flushed_cache,
+    )
+
+
+# Every route here needs --allow-weight-update; those that write weights, the update session and
+# /weights_checker (a failed compare, as SGLang's) also answer errors with SGLang's top-level
+# success/message.
+weight_router = Router(
+    path="/",
+    guards=[weight_update_guard],
+    route_handlers=[
+        pause_generation,
+        continue_generation,
+        get_weight_version,
+        update_weight_version,
+        get_weights_by_name,
+        Router(
+            path="/",
+            opt=UPDATE_OPT,
+            route_handlers=[
+                update_weights_from_disk,
+                update_weights_from_tensor,
+                begin_weight_update,
+                end_weight_update,
+                weights_checker,
+            ],
+        ),
+    ],
+)

@@ -1,0 +1,123 @@
+"""`grctl catalog ...` as an operator runs it, and GRClient's typed item results."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from grctl.cli import app
+from grctl.client import GRClient
+from grctl.client.types import ItemResult
+from tests.cli.test_cli_client import grctl
+from tests.server.test_catalog_server import write_catalog
+from tests.support.serverproc import free_port, running_server
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def validate(*args: str):
+    result = CliRunner().invoke(app, ["catalog", "validate", *args, "--json"])
+    return result.exit_code, json.loads(result.stdout)
+
+
+def test_validate_counts_depths_collisions_and_shadowed(tmp_path):
+    rows = [
+        {"item_id": "a", "token_ids": [5, 6]},
+        {"item_id": "b", "token_ids": [5, 6, 7]},  # extends a's path: a beam stops at a first
+        {"item_id": "c", "token_ids": [5, 6, 7]},  # collides with b
+        {"item_id": "d", "token_ids": [9], "metadata": {"title": "x"}},
+    ]
+    path = tmp_path / "c.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    code, report = validate(str(path), "--vocab-size", "10")
+    assert code == 0 and report["ok"] is True
+    assert report["num_items"] == 4 and report["num_paths"] == 3 and report["max_depth"] == 3
+    assert report["depth_histogram"] == {"1": 1, "2": 1, "3": 2}
+    assert report["num_collision_paths"] == 1 and report["num_collision_items"] == 2
+    assert report["num_shadowed_items"] == 2 and report["num_items_out_of_range"] == 0
+    code, report = validate(str(path), "--vocab-size", "8")
+    assert code == 1 and report["num_items_out_of_range"] == 1
+    assert "line 4: token id 9" in report["error"]
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"vocab_size": 9}))
+    code, report = validate(str(path), "--model-path", str(tmp_path / "model"))
+    assert code == 1 and report["vocab_size"] == 9
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        (None, "cannot be read"),
+        ('{"item_id": 1, "token_ids": [1]}\n[1, 2]\n', "line 2"),
+        ('{"item_id": 1}\n', "line 1"),
+        ("", "no items"),
+        ('{"item_id": 1, "token_ids": []}\n', "line 1: an empty token_ids"),
+    ],
+)
+def test_validate_bad_files_exit_1(tmp_path, content, needle):
+    path = tmp_path / "bad.jsonl"
+    if content is not None:
+        path.write_text(content)
+    code, report = validate(str(path))
+    assert code == 1 and report["ok"] is False and needle in report["error"]
+
+
+def test_validate_table_shows_messages_verbatim(tmp_path):
+    """Messages hold brackets ('[int, ...]'): the human table prints them, not as Rich markup."""
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"item_id": 1}\n')
+    result = CliRunner().invoke(app, ["catalog", "validate", str(path)], terminal_width=200)
+    assert result.exit_code == 1
+    assert '"token_ids": [int, ...]' in result.stdout
+
+
+def reply(out) -> dict:
+    return json.loads(out.stdout)["servers"][0]["reply"]
+
+
+def test_status_reload_rollback_json_and_typed_client(tmp_path):
+    v1 = write_catalog(tmp_path / "v1.jsonl", 1, 400)
+    v2 = write_catalog(tmp_path / "v2.jsonl", 2, 50, codes=8, id_prefix="b")
+    with running_server("--catalog", str(tmp_path / "v1.jsonl"), "--allow-catalog-reload") as srv:
+        url = ["--url", srv.url]
+        out = grctl("catalog", "status", *url, "--json")
+        assert out.returncode == 0, out.stderr
+        doc = json.loads(out.stdout)  # the shared --json document (grctl/cli/output.py)
+        assert doc["command"] == "catalog status" and doc["ok"] is True
+        status = doc["servers"][0]["reply"]
+        assert status["version"] == 1 and status["num_items"] == 400
+        with GRClient(srv.url) as gr:
+            res = gr.generate([1, 2, 3], max_new_tokens=3, n=3)
+            assert res.meta_info.catalog_version == 1 and len(res.meta_info.item_results) == 3
+            for row in res.meta_info.item_results:
+                assert isinstance(row, ItemResult) and row.is_complete
+                assert row.item_ids == v1[tuple(row.token_ids)] and row.item_id == row.item_ids[0]
+            free = gr.generate([1, 2, 3], max_new_tokens=3, n=3, use_catalog=False)
+            assert free.meta_info.item_results is None and free.meta_info.catalog_version is None
+            out = grctl("catalog", "reload", str(tmp_path / "v2.jsonl"), *url, "--json")
+            assert out.returncode == 0 and reply(out)["version"] == 2
+            res = gr.generate([1, 2, 3], max_new_tokens=3, n=2)
+            assert res.meta_info.catalog_version == 2
+            assert all(r.item_ids == v2[tuple(r.token_ids)] for r in res.meta_info.item_results)
+            out = grctl("catalog", "rollback", *url, "--json")
+            assert out.returncode == 0 and reply(out)["version"] == 1
+            assert gr.catalog_status().version == 1
+        out = grctl("catalog", "rollback", *url, "--json")
+        assert out.returncode == 1 and "no previous catalog" in out.stderr
+        failed = json.loads(out.stdout)["servers"][0]
+        assert failed["ok"] is False and "no previous catalog" in failed["error"]["message"]
+        out = grctl("catalog", "reload", str(tmp_path / "missing.jsonl"), *url)
+        assert out.returncode == 1 and "cannot be read" in out.stderr
+        out = grctl("catalog", "status", *url)  # the table, for people
+        assert out.returncode == 0 and "v1.jsonl" in out.stdout
+        out = grctl("status", *url)  # the server's compact view names its catalog
+        assert out.returncode == 0 and "catalog" in out.stdout and "400 items" in out.stdout
+
+
+def test_serve_refuses_a_bad_catalog_at_start(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"item_id": 1, "token_ids": [300]}\n{"item_id": 2, "token_ids": [9999]}\n')
+    out = grctl("serve", "--port", str(free_port()), "--device", "cpu", "--catalog", str(bad))
+    assert out.returncode == 1 and "line 2: token id 9999" in out.stderr

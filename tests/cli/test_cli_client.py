@@ -1,0 +1,165 @@
+"""The client commands as an operator runs them: `python -m grctl ...` in real processes against
+real servers. Exit codes: 0 success, 1 failed sync or verification, 2 usage."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from grctl.cli import app
+from grctl.client import GRClient
+from tests.client.test_client_sync import hf_greedy, served, start_servers
+from tests.support.checkpoints import write_checkpoint
+from tests.support.serverproc import REPO_ROOT
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def cli_env(extra: dict | None = None) -> dict:
+    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "COLUMNS": "250", "PYTHONPATH": path, **(extra or {})}
+
+
+def grctl(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "grctl", *args],
+        capture_output=True,
+        text=True,
+        env=cli_env(env),
+        cwd=REPO_ROOT,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory, tiny_checkpoint):
+    return tiny_checkpoint, write_checkpoint(tmp_path_factory.mktemp("cli-seed1"), seed=1)
+
+
+@pytest.fixture(scope="module")
+def fleet(ckpts):
+    with ExitStack() as stack:
+        yield start_servers(stack, 2, "--model-path", str(ckpts[0]), "--allow-weight-update")
+
+
+def urls(fleet) -> list[str]:
+    return [arg for s in fleet for arg in ("--url", s.url)]
+
+
+def test_usage_errors_exit_2():
+    runner = CliRunner()
+    assert runner.invoke(app, ["push"]).exit_code == 2  # --checkpoint is required
+    assert runner.invoke(app, ["push", "--checkpoint", "x", "--transport", "ftp"]).exit_code == 2
+    assert runner.invoke(app, ["pause", "--mode", "sideways"]).exit_code == 2
+    assert runner.invoke(app, ["flush", "--retries", "0"]).exit_code == 2
+
+
+def test_push_chunked_then_disk(fleet, ckpts):
+    out = grctl(
+        "push",
+        "--checkpoint",
+        str(ckpts[1]),
+        *urls(fleet),
+        "--bucket-mb",
+        "0.01",
+        "--weight-version",
+        "5",
+    )
+    assert out.returncode == 0, out.stderr
+    assert "version 5" in out.stdout and out.stdout.count("ok") >= 2 and "B/s" in out.stdout
+    want = hf_greedy(ckpts[1])
+    assert all(served(s.url) == (want, "5") for s in fleet)
+
+    gr_url = " ".join(s.url for s in fleet)  # GR_URL holds the fleet, space-separated
+    out = grctl(
+        "push",
+        "--checkpoint",
+        str(ckpts[0]),
+        "--transport",
+        "disk",
+        "--weight-version",
+        "6",
+        env={"GR_URL": gr_url},
+    )
+    assert out.returncode == 0, out.stderr
+    want = hf_greedy(ckpts[0])
+    assert all(served(s.url) == (want, "6") for s in fleet)
+
+
+def test_verify_passes_and_fails(fleet, ckpts):
+    out = grctl("verify", "--checkpoint", str(ckpts[0]), *urls(fleet))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("tensors match") == 2
+    out = grctl("verify", "--checkpoint", str(ckpts[1]), *urls(fleet))
+    assert out.returncode == 1
+    assert "MISMATCH" in out.stdout and "model.layers.0.self_attn.q_proj.weight" in out.stdout
+    assert out.stderr.count("error:") == 1 and "verification failed on 2 server(s)" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_pause_flush_status_resume(fleet):
+    url = fleet[0].url
+    out = grctl("pause", "--url", url, "--mode", "retract")
+    assert out.returncode == 0, out.stderr
+    with GRClient(url) as gr:
+        assert gr.ready().reasons == ["paused"]
+        assert grctl("flush", "--url", url, "--retries", "3", "--interval", "0.1").returncode == 0
+        out = grctl("status", "--url", url)
+        assert out.returncode == 0 and "paused (retract)" in out.stdout, out.stdout
+        assert f"version {gr.status().weights.weight_version}," in out.stdout
+        assert grctl("resume", "--url", url).returncode == 0
+        assert gr.ready().ready
+
+
+def test_unreachable_server_is_one_red_line():
+    dead = "http://127.0.0.1:9"  # discard port: nothing listens
+    out = grctl("status", "--url", dead, "--timeout", "2")
+    assert out.returncode == 1 and "cannot reach" in out.stderr and "Traceback" not in out.stderr
+    out = grctl("status", "--url", dead, "--timeout", "2", env={"GRCTL_DEBUG": "1"})
+    assert out.returncode == 1 and "Traceback" in out.stderr
+
+
+def test_server_killed_mid_push(fleet, ckpts):
+    with ExitStack() as stack:
+        (doomed,) = start_servers(stack, 1, "--model-path", str(ckpts[0]), "--allow-weight-update")
+        args = ["--checkpoint", str(ckpts[1]), "--bucket-mb", "0.002", "--weight-version", "k"]
+        cmd = [sys.executable, "-m", "grctl", "push", *args, *urls([fleet[0], doomed, fleet[1]])]
+        push = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO_ROOT,
+            env=cli_env(),
+        )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # kill it once it has taken a first chunk
+            count = httpx.get(doomed.url + "/get_weight_version").json()["weight_update_count"]
+            if count >= 1:
+                break
+            time.sleep(0.005)
+        doomed.proc.kill()
+        stdout, stderr = push.communicate(timeout=120)
+    assert push.returncode == 1, stdout + stderr
+    assert doomed.url in stderr and "failed on 1 of 3" in stderr
+    want = hf_greedy(ckpts[1])
+    for srv in (fleet[0], fleet[1]):
+        with GRClient(srv.url) as gr:
+            assert gr.ready().ready
+        assert served(srv.url) == (want, "k")
+
+
+def test_demo_runs_end_to_end():
+    t0 = time.monotonic()
+    out = grctl("demo", timeout=90)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "perturbed" in out.stdout and "restored" in out.stdout
+    assert "item-" in out.stdout and "not an item" in out.stdout  # with and without the catalog
+    assert time.monotonic() - t0 < 60

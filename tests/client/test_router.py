@@ -1,0 +1,135 @@
+"""Scale-out behind SGLang's own router (sglang-router, `pip install grctl[router]`).
+
+Two replicas join a real router with --router-url; /generate goes through the router while a
+fleet push finds the replicas from the router's worker list and syncs them. Every answer that
+comes back 200 is checked against transformers' greedy output of the version it names (an
+answer ended by the push's pause must be a prefix of it); the only other answer allowed is the
+pause's 503. A replica that stops leaves the router's list. Skipped when sglang_router is not
+installed.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from contextlib import ExitStack, contextmanager
+
+import httpx
+import pytest
+import torch
+
+from grctl.client import WeightSync
+from grctl.client.router import list_workers
+from tests.support.checkpoints import load_hf, write_checkpoint
+from tests.support.serverproc import free_port, running_server
+
+pytest.importorskip("sglang_router")
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+PROMPT = [1, 5, 9, 42, 7]
+NEW_TOKENS = 4
+
+
+@contextmanager
+def running_router(log_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1"]
+    cmd += ["--port", str(port), "--policy", "round_robin", "--log-level", "warn"]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: list_workers(url) == [], 60, f"router up ({log_path})")
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def wait_for(check, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except Exception:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+def healthy_urls(router_url: str) -> set[str]:
+    return {w["url"] for w in list_workers(router_url) if w.get("is_healthy")}
+
+
+def hf_greedy(ckpt) -> list[int]:
+    ids = torch.tensor([PROMPT])
+    out = load_hf(ckpt).generate(
+        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS
+    )
+    return out[0, len(PROMPT) :].tolist()
+
+
+def test_fleet_push_through_the_router_under_traffic(tmp_path, tiny_checkpoint):
+    seed1 = write_checkpoint(tmp_path / "seed1", seed=1)
+    want = {"default": hf_greedy(tiny_checkpoint), "1": hf_greedy(seed1)}
+    with ExitStack() as stack:
+        router = stack.enter_context(running_router(tmp_path / "router.log"))
+        flags = ("--model-path", str(tiny_checkpoint), "--allow-weight-update")
+        replicas = [
+            stack.enter_context(running_server(*flags, "--router-url", router)) for _ in range(2)
+        ]
+        urls = {r.url for r in replicas}
+        wait_for(lambda: healthy_urls(router) == urls, 60, "both replicas registered")
+
+        answers: list[tuple[int, dict]] = []
+        stop = threading.Event()
+
+        def traffic() -> None:
+            body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": NEW_TOKENS}}
+            with httpx.Client(base_url=router, timeout=60) as http:
+                while not stop.is_set():
+                    resp = http.post("/generate", json=body)
+                    answers.append((resp.status_code, resp.json() if resp.content else {}))
+
+        worker = threading.Thread(target=traffic)
+        worker.start()
+        try:
+            wait_for(lambda: len(answers) >= 4, 60, "traffic before the push")
+            before = list(answers)
+            with WeightSync(router=router, bucket_mb=0.01, verify=True) as sync:
+                result = sync.run(seed1, weight_version="1")
+            assert {o.url for o in result.servers} == urls and result.ok
+            wait_for(lambda: len(answers) >= len(before) + 6, 60, "traffic after the push")
+        finally:
+            stop.set()
+            worker.join(120)
+
+        versions = []
+        for status, body in answers:
+            if status != 200:
+                assert status == 503 and body["error"]["code"] == "paused", (status, body)
+                continue
+            meta = body["meta_info"]
+            versions.append(meta["weight_version"])
+            full = want[meta["weight_version"]]
+            if meta["finish_reason"]["type"] == "abort":
+                assert body["output_ids"] == full[: len(body["output_ids"])]
+            else:
+                assert body["output_ids"] == full, meta
+        assert versions[0] == "default" and versions[-1] == "1"
+        assert versions.count("1") >= 4, [a[0] for a in answers]
+
+        replicas[0].proc.terminate()  # a replica that stops leaves the router
+        replicas[0].proc.wait(30)
+        wait_for(
+            lambda: {w["url"] for w in list_workers(router)} == {replicas[1].url},
+            30,
+            "the stopped replica to leave the router",
+        )
+        assert "left the router" in replicas[0].log_text()

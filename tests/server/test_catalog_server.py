@@ -1,0 +1,195 @@
+"""Catalog routes on a real server: status, reload, rollback, every bad file, reload under load."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.support.serverproc import assert_error, running_server
+
+KEY = "catalog-test-key"
+SID = 256  # the built-in model: three semantic-ID levels of 256 codes from id 256 (vocab 1024)
+
+
+def write_catalog(path, seed: int, num: int, codes: int = 256, id_prefix: str = "") -> dict:
+    """A catalog file of `num` 3-token items; returns {tuple(path): [item ids]}."""
+    rng = random.Random(seed)
+    items: dict[tuple, list] = {}
+    lines = []
+    for i in range(num):
+        toks = [SID + d * 256 + rng.randrange(codes) for d in range(3)]
+        item_id = f"{id_prefix}{i}" if id_prefix else i
+        items.setdefault(tuple(toks), []).append(item_id)
+        lines.append(json.dumps({"item_id": item_id, "token_ids": toks, "metadata": {"i": i}}))
+    path.write_text("\n".join(lines) + "\n")
+    return items
+
+
+def generate(client: httpx.Client, n: int = 4, **sampling) -> dict:
+    body = {"input_ids": [1, 7, 300, 600, 900], "sampling_params": {"n": n, "max_new_tokens": 3}}
+    body["sampling_params"].update(sampling)
+    resp = client.post("/generate", json=body)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["meta_info"]
+
+
+def check_items(meta: dict, items: dict) -> None:
+    rows = meta["item_results"]
+    assert len(rows) == len(meta["beam_results"]) == meta["beam_width"]
+    for rank, (row, beam) in enumerate(zip(rows, meta["beam_results"], strict=True)):
+        assert row["rank"] == rank and row["token_ids"] == beam["output_ids"]
+        assert row["item_ids"] == items[tuple(row["token_ids"])]
+        assert row["item_id"] == row["item_ids"][0] and row["is_complete"] is True
+        assert row["score"] == pytest.approx(beam["meta_info"]["sequence_score"])
+        assert beam["meta_info"]["finish_reason"]["type"] == "item_complete"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("catalogs")
+    v1 = write_catalog(root / "v1.jsonl", 1, 3000)
+    with running_server(
+        "--catalog-jsonl",
+        str(root / "v1.jsonl"),
+        "--allow-catalog-reload",
+        "--api-key",
+        KEY,
+        "--weights-root",
+        str(root),
+        "--max-catalog-bytes",
+        "400000",
+    ) as srv:
+        with srv.client(headers={"X-GR-API-Key": KEY}) as client:
+            yield srv, client, root, v1
+
+
+def test_status_generate_and_submit(served):
+    srv, client, root, v1 = served
+    assert_error(httpx.get(srv.url + "/catalog/status"), 401, "unauthorized")
+    status = client.get("/catalog/status").json()
+    assert status["loaded"] and status["num_items"] == 3000 and status["max_depth"] == 3
+    assert status["source"].endswith("v1.jsonl") and status["nbytes"] > 0
+    version = status["version"]
+    assert client.get("/status").json()["catalog"]["num_items"] == 3000
+    meta = generate(client)
+    assert meta["catalog_version"] == version and meta["finish_reason"]["type"] == "item_complete"
+    check_items(meta, v1)
+    free = generate(client, use_catalog=False)
+    assert "item_results" not in free and "catalog_version" not in free
+    body = {"input_ids": [3, 4, 5], "sampling_params": {"n": 2, "max_new_tokens": 3}}
+    rid = client.post("/submit", json=body).json()["request_id"]
+    result = client.get(f"/result/{rid}", params={"timeout": 60}).json()
+    assert result["meta_info"]["catalog_version"] == version
+    check_items(result["meta_info"], v1)
+
+
+BAD_FILES = {
+    "missing": (None, "cannot be read"),
+    "not_jsonl": ('{"item_id": 1, "token_ids": [300, 600, 900]}\n{oops\n', "line 2"),
+    "no_token_ids": ('{"item_id": 1, "token_ids": [300]}\n\n{"item_id": 2}\n', "line 3"),
+    "out_of_vocab": ('{"item_id": 1, "token_ids": [300, 1024]}\n', "line 1: token id 1024"),
+    "negative": ('{"item_id": 1, "token_ids": [300]}\n{"item_id": 1, "token_ids": [-3]}', "line 2"),
+    "empty_path": ('{"item_id": 1, "token_ids": []}\n', "line 1: an empty token_ids"),
+    "empty_file": ("\n  \n", "no items"),
+    "bad_item_id": ('{"item_id": 1.5, "token_ids": [300]}\n', "line 1"),
+    "too_big": ('{"item_id": 1, "token_ids": [300]}\n' * 20000, "--max-catalog-bytes"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_FILES))
+def test_bad_file_is_400_naming_the_line_and_old_catalog_serves(served, case):
+    srv, client, root, v1 = served
+    before = client.get("/catalog/status").json()
+    content, needle = BAD_FILES[case]
+    path = root / f"bad-{case}.jsonl"
+    if content is not None:
+        path.write_text(content)
+    err = assert_error(
+        client.post("/catalog/reload", json={"path": str(path)}), 400, "validation_error"
+    )
+    assert needle in err["message"], err["message"]
+    assert client.get("/catalog/status").json() == before
+    check_items(generate(client), v1)
+
+
+def test_paths_outside_weights_root_and_bad_bodies(served, tmp_path):
+    srv, client, root, v1 = served
+    outside = tmp_path / "outside.jsonl"
+    write_catalog(outside, 3, 10)
+    assert_error(client.post("/catalog/reload", json={"path": str(outside)}), 403, "forbidden")
+    escape = str(root / ".." / outside.parent.name / "outside.jsonl")
+    assert_error(client.post("/catalog/reload", json={"path": escape}), 403, "forbidden")
+    assert_error(client.post("/catalog/reload", json={}), 400, "validation_error")
+    assert_error(client.post("/catalog/reload", json={"path": 5}), 400, "validation_error")
+    bad_proc = {"input_ids": [1], "logits_processors": [{"type": "nope"}]}
+    assert_error(client.post("/generate", json=bad_proc), 400, "validation_error")
+    bad_proc = {
+        "input_ids": [1],
+        "logits_processors": [{"type": "bad_tokens", "token_ids": [5000]}],
+    }
+    assert_error(client.post("/generate", json=bad_proc), 400, "validation_error")
+
+
+def test_reload_under_load_and_rollback(served):
+    """Generations run while the catalog is reloaded and rolled back: every answer names a
+    version, and every item id it returns exists in that version's catalog."""
+    srv, client, root, v1 = served
+    base = client.get("/catalog/status").json()["version"]
+    v2 = write_catalog(root / "v2.jsonl", 2, 500, codes=40, id_prefix="two-")
+    v3 = write_catalog(root / "v3.jsonl", 3, 800, codes=64, id_prefix="three-")
+    by_version = {base: v1}
+    answers: list[dict] = []
+    stop = threading.Event()
+    errors: list[str] = []
+
+    def load() -> None:
+        with srv.client(headers={"X-GR-API-Key": KEY}) as c:
+            while not stop.is_set():
+                try:
+                    answers.append(generate(c, n=8))
+                except AssertionError as exc:
+                    errors.append(str(exc))
+
+    threads = [threading.Thread(target=load) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        for path, items in (("v2.jsonl", v2), ("v3.jsonl", v3)):
+            status = client.post("/catalog/reload", json={"path": str(root / path)}).json()
+            by_version[status["version"]] = items
+            deadline = time.monotonic() + 60
+            while sum(1 for a in answers if a["catalog_version"] == status["version"]) < 3:
+                if errors or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+        back = client.post("/catalog/rollback").json()
+        assert back["version"] == base + 1 and back["previous_version"] is None
+        assert_error(client.post("/catalog/rollback"), 409, "conflict")
+        count, deadline = len(answers), time.monotonic() + 60
+        while len(answers) < count + 3 and not errors and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    assert not errors, errors[:3]
+    seen = {a["catalog_version"] for a in answers}
+    assert {base + 1, base + 2} <= seen
+    for meta in answers:
+        check_items(meta, by_version[meta["catalog_version"]])
+
+
+def test_reload_off_without_flag(tmp_path):
+    write_catalog(tmp_path / "c.jsonl", 1, 50)
+    with running_server() as srv, srv.client() as client:
+        body = {"path": str(tmp_path / "c.jsonl")}
+        assert_error(client.post("/catalog/reload", json=body), 403, "route_disabled")
+        assert_error(client.post("/catalog/rollback"), 403, "route_disabled")
+        assert client.get("/catalog/status").json()["loaded"] is False
+        meta = generate(client)
+        assert "item_results" not in meta and "catalog_version" not in meta

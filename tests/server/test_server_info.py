@@ -1,0 +1,150 @@
+"""Status, metrics, discovery, /flush_cache, pause behaviour and Litestar's own errors."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tests.support.serverproc import assert_error
+
+pytestmark = pytest.mark.timeout(120)
+
+LONG = {"max_new_tokens": 64, "n": 32, "ignore_eos": True}
+
+
+def wait_until_running(http, timeout: float = 30.0) -> None:
+    """Until the engine computes a request (a LONG one runs for a second or more on CPU)."""
+    deadline = time.monotonic() + timeout
+    while http.get("/v1/loads").json()["num_running_reqs"] < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+
+
+def test_status(http):
+    body = http.get("/status").json()
+    for key in ("scheduler", "prefill_cache", "engine", "weights"):
+        assert isinstance(body[key], dict), key
+    assert set(body["weights"]) >= {
+        "weight_version",
+        "token_step",
+        "weight_update_count",
+        "last_weight_update_ms",
+    }
+    assert body["weights"]["weight_version"] == "default"
+
+
+def test_metrics_prometheus_text(http):
+    http.post("/generate", json={"input_ids": [1, 2]})
+    resp = http.get("/metrics")
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
+    text = resp.text
+    assert "# TYPE gr_http_requests_total counter" in text
+    assert 'gr_http_requests_total{method="POST",route="/generate",status="200"}' in text
+    assert "# TYPE gr_http_request_duration_seconds histogram" in text
+    assert 'gr_http_request_duration_seconds_bucket{route="/generate",le="+Inf"}' in text
+    assert "# TYPE gr_generate_latency_seconds histogram" in text
+    assert 'gr_generate_results_total{finish_reason="length"}' in text
+    assert "# TYPE gr_requests_generated_tokens_total counter" in text
+    assert "gr_ready 1.0" in text and "gr_scheduler_paused 0.0" in text
+    for line in text.splitlines():  # every sample line is `name{labels} number`
+        if line and not line.startswith("#"):
+            float(line.rsplit(" ", 1)[1])
+
+
+@pytest.mark.parametrize("path", ["/server_info", "/get_server_info"])
+def test_server_info(http, path):
+    body = http.get(path).json()
+    assert body["tp_size"] == body["dp_size"] == body["pp_size"] == body["ep_size"] == 1
+    assert body["enable_memory_saver"] is False
+    assert body["model_path"] and body["weight_version"] == "default"
+    assert body["device"] == "cpu" and body["gpu_uuid"] is None  # a UUID names a GPU only
+
+
+@pytest.mark.parametrize("path", ["/model_info", "/get_model_info"])
+def test_model_info(http, path):
+    body = http.get(path).json()
+    assert body["is_generation"] is True and body["weight_version"] == "default"
+    assert body["model_path"]
+
+
+def test_health_generate_and_loads(http):
+    assert http.get("/health_generate").status_code == 200
+    loads = http.get("/v1/loads").json()
+    assert set(loads) == {"num_reqs", "num_waiting_reqs", "num_running_reqs"}
+
+
+def test_flush_cache(http):
+    for resp in (
+        http.get("/flush_cache"),
+        http.post("/flush_cache"),
+        http.post("/flush_cache?timeout=1"),
+    ):
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["success"] is True and isinstance(resp.json()["entries_cleared"], int)
+    assert http.post("/flush_cache", json={"timeout": "0.5"}).status_code == 200
+    assert_error(http.get("/flush_cache?timeout=-1"), 400, "validation_error")
+    # Busy: a long request holds KV, so a flush without waiting is refused, SGLang-style.
+    rid = http.post("/submit", json={"input_ids": [3] * 8, "sampling_params": LONG}).json()
+    wait_until_running(http)
+    busy = http.get("/flush_cache")
+    http.post("/abort_request", json={"abort_all": True})
+    http.get(f"/result/{rid['request_id']}")
+    assert busy.status_code == 400, busy.text
+    body = busy.json()
+    assert body["success"] is False and "KV" in body["message"]
+    assert body["error"]["status"] == 400 and body["error"]["retryable"] is True
+    assert http.get("/flush_cache?timeout=10").status_code == 200
+
+
+def test_paused_generate_is_503_and_abort_answers_200(http):
+    results: list = []
+    body = {"input_ids": [4] * 8, "sampling_params": LONG}
+    waiter = threading.Thread(target=lambda: results.append(http.post("/generate", json=body)))
+    waiter.start()
+    wait_until_running(http)
+    try:
+        assert http.post("/pause_generation", json={"mode": "abort"}).status_code == 200
+        waiter.join(60)
+        (resp,) = results
+        assert resp.status_code == 200, resp.text  # what slime expects of an abort pause
+        assert resp.json()["meta_info"]["finish_reason"]["type"] == "abort"
+        err = assert_error(http.post("/generate", json={"input_ids": [1]}), 503, "paused")
+        assert err["retryable"] is True
+        assert_error(http.post("/submit", json={"input_ids": [1]}), 503, "paused")
+        ready = http.get("/ready")
+        assert ready.status_code == 503 and "paused" in ready.json()["reasons"]
+        assert http.get("/health_generate").status_code == 503
+        assert http.get("/flush_cache").status_code == 200  # legal while paused
+    finally:
+        http.post("/continue_generation", json={})
+    assert http.get("/ready").status_code == 200
+    assert http.post("/generate", json={"input_ids": [1]}).status_code == 200
+
+
+def test_litestar_errors_have_the_shape(http):
+    err = assert_error(http.get("/no/such/route"), 404, "not_found")
+    assert "/no/such/route" in err["message"]
+    assert_error(http.get("/generate"), 405, "method_not_allowed")
+    assert_error(http.delete("/health"), 405, "method_not_allowed")
+
+
+def test_openapi_lists_the_bodies(http):
+    schema = http.get("/schema/openapi.json").json()
+    names = set(schema["components"]["schemas"])
+    assert {
+        "GenerateBody",
+        "SamplingParamsBody",
+        "GenerateResponse",
+        "SubmitManyBody",
+        "CancelBody",
+        "AbortRequestBody",
+        "FlushCacheBody",
+        "PollResponse",
+        "ErrorResponse",
+    } <= names
+    ref = schema["paths"]["/generate"]["post"]["requestBody"]["content"]["application/json"]
+    assert "GenerateBody" in str(ref["schema"])
+    sampling = schema["components"]["schemas"]["SamplingParamsBody"]["properties"]
+    assert {"max_new_tokens", "n", "temperature", "stop_token_ids"} <= set(sampling)

@@ -1,0 +1,65 @@
+"""Helpers for weight-sync tests: independent references for what a server should now serve."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from grctl.weights.checker import tensor_sha256
+from tests.support.checkpoints import load_hf
+
+PROMPTS = [[1, 2, 3, 4, 5], [17, 9], [40] * 11]
+
+
+@torch.no_grad()
+def hf_generate(model, prompt: list[int], max_new_tokens: int = 4) -> list[int]:
+    """transformers' own greedy generation (no EOS stop) with an HF model."""
+    out = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int = 4) -> list[int]:
+    """transformers' own greedy generation on the checkpoint at `path`."""
+    return hf_generate(load_hf(path), prompt, max_new_tokens)
+
+
+def served_greedy(client: httpx.Client, prompt: list[int], max_new_tokens: int = 4) -> dict:
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": max_new_tokens}}
+    resp = client.post("/generate", json=body)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def checkpoint_sha256(path: Path, dtype: torch.dtype = torch.float32) -> dict[str, str]:
+    """sha256 of every tensor of the checkpoint, cast to the served dtype (via transformers)."""
+    hf = load_hf(path)
+    state = hf.state_dict()
+    if hf.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return {name: tensor_sha256(t.to(dtype)) for name, t in state.items()}
+
+
+def served_sha256(client: httpx.Client) -> dict[str, str]:
+    resp = client.post("/weights_checker", json={"action": "checksum"})
+    assert resp.status_code == 200, resp.text
+    return {name: v["sha256"] for name, v in resp.json()["tensors"].items()}
+
+
+def flush_until_ok(client: httpx.Client, tries: int = 100, interval: float = 0.05) -> int:
+    """slime's loop: GET /flush_cache until 200. Returns the number of 400s seen."""
+    for attempt in range(tries):
+        resp = client.get("/flush_cache")
+        if resp.status_code == 200:
+            return attempt
+        assert resp.status_code == 400, resp.text
+        time.sleep(interval)
+    raise AssertionError("flush_cache never answered 200")

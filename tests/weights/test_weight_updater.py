@@ -1,0 +1,101 @@
+"""The WeightUpdater over a real engine, in process: cache tagging, failed copies, relabels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grctl.engine.config import EngineConfig
+from grctl.engine.engine import Engine
+from grctl.engine.request import GenerateRequest, SamplingParams
+from grctl.errors import WeightsInconsistent
+from grctl.weights import apply
+from grctl.weights.apply import WeightCopyError
+from grctl.weights.checkpoint import Checkpoint, plan_checkpoint
+from grctl.weights.disk import update_from_disk
+from grctl.weights.loader import load_model
+from grctl.weights.updater import WeightUpdater
+from tests.support.checkpoints import write_checkpoint
+from tests.support.weight_helpers import hf_greedy
+
+PROMPT = (5, 9, 33, 2, 71, 8)
+
+
+@pytest.fixture
+def setup(tmp_path):
+    a = write_checkpoint(tmp_path / "a", seed=31)
+    b = write_checkpoint(tmp_path / "b", seed=32)
+    engine = Engine(load_model(a), EngineConfig(enable_prefill_cache=True, cuda_graph=False))
+    engine.start()
+    yield engine, WeightUpdater(engine), a, b
+    engine.stop(drain=False)
+
+
+def greedy(engine) -> list[int]:
+    req = GenerateRequest(PROMPT, SamplingParams(max_new_tokens=4))
+    return engine.generate(req, timeout=60).output_ids
+
+
+def test_cache_never_serves_kv_of_replaced_weights_even_without_flush(setup):
+    engine, updater, a, b = setup
+    assert greedy(engine) == hf_greedy(a, list(PROMPT))
+    assert greedy(engine) == hf_greedy(a, list(PROMPT))  # a cache hit, same weights
+    hits = engine.cache.stats()["hits"]
+    assert hits >= 1
+    # Same version label, no flush: the cached KV of `a` must not be used for `b`.
+    update_from_disk(updater, str(b), weight_version=None, flush_cache=False)
+    stats = engine.cache.stats()  # not flushed: the counters stay, the stale entries are gone
+    assert stats["entries"] == 0 and stats["hits"] == hits and stats["inserts"] >= 1
+    assert greedy(engine) == hf_greedy(b, list(PROMPT))
+    assert engine.cache.stats()["hits"] == hits
+
+
+def test_flush_on_update_clears_cache_and_counters(setup):
+    engine, updater, a, b = setup
+    greedy(engine)
+    greedy(engine)
+    out = update_from_disk(updater, str(b), weight_version="b", flush_cache=True)
+    stats = engine.cache.stats()
+    assert out.flushed_cache and stats["entries"] == 0
+    assert stats["hits"] == stats["misses"] == stats["inserts"] == 0
+    assert engine.versions.current == "b" and engine.versions.update_count == 1
+
+
+def test_copy_failure_refuses_generation_until_a_good_update(setup):
+    engine, updater, a, b = setup
+    ckpt = Checkpoint(b)
+    calls = {"n": 0}
+
+    def failing_fetch(name: str) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise OSError("injected read error")
+        return ckpt.fetch(name)
+
+    with pytest.raises(WeightCopyError, match="after 4 of"):
+        updater.run(
+            lambda: plan_checkpoint(engine.model, ckpt), failing_fetch, weight_version="half"
+        )
+    assert "weights_inconsistent" in engine.ready_reasons()
+    with pytest.raises(WeightsInconsistent):
+        engine.submit(GenerateRequest(PROMPT, SamplingParams(max_new_tokens=1)))
+    assert engine.versions.current == "default" and engine.versions.update_count == 0
+    update_from_disk(updater, str(a), weight_version="a")
+    assert "weights_inconsistent" not in engine.ready_reasons()
+    assert greedy(engine) == hf_greedy(a, list(PROMPT))
+
+
+def test_validation_failure_changes_nothing_and_counts_nothing(setup):
+    engine, updater, a, _ = setup
+    before = {n: p.clone() for n, p in engine.model.named_parameters()}
+    bad = [("model.norm.weight", torch.zeros(3))]
+    with pytest.raises(Exception, match="has shape"):
+        updater.run(
+            lambda: apply.plan(engine.model, apply.specs_of(bad), require_full=False),
+            dict(bad).__getitem__,
+            weight_version="x",
+        )
+    for n, p in engine.model.named_parameters():
+        assert torch.equal(p, before[n])
+    assert engine.versions.update_count == 0 and engine.weight_version == "default"
+    assert greedy(engine) == hf_greedy(a, list(PROMPT))
