@@ -29,9 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from grctl.engine.config import EngineConfig
 from grctl.engine.engine import Engine  # noqa: E402
 from grctl.engine.request import GenerateRequest, SamplingParams  # noqa: E402
+from grctl.model import dtypes  # noqa: E402
 from grctl.model.config import ModelConfig  # noqa: E402
 from grctl.model.qwen3 import Qwen3ForCausalLM  # noqa: E402
-from grctl.weights import apply, dtypes  # noqa: E402
+from grctl.weights import apply  # noqa: E402
 
 PRESETS = {
     "cpu": dict(

@@ -48,7 +48,7 @@ from bench.common import (  # noqa: E402
 )
 from bench.weight_push import reads_back  # noqa: E402
 from grctl.client import GRClient  # noqa: E402
-from grctl.weights import dtypes  # noqa: E402
+from grctl.model import dtypes  # noqa: E402
 from grctl.weights.checkpoint import Checkpoint  # noqa: E402
 from tests.support.serverproc import REPO_ROOT, running_server  # noqa: E402
 

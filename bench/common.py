@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from grctl.model import dtypes
 from grctl.model.config import ModelConfig
-from grctl.weights import dtypes
 from grctl.weights.mapping import hf_names
 
 # About 1.08 GB in bf16 (540M parameters), HF Qwen3 layout, untied.

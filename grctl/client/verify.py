@@ -14,7 +14,7 @@ import torch
 from grctl.client.outcome import ServerOutcome
 from grctl.client.types import CheckerResult
 from grctl.errors import GrctlError
-from grctl.weights import dtypes
+from grctl.model import dtypes
 from grctl.weights.checker import tensor_sha256
 from grctl.weights.checkpoint import Checkpoint
 

@@ -19,8 +19,8 @@ from torch import nn
 from grctl.errors import GrctlError, WeightValidationError
 from grctl.model.config import ModelConfig
 from grctl.model.device import synchronize
+from grctl.model.dtypes import WEIGHT_DTYPES, name_of
 from grctl.weights import pinned
-from grctl.weights.dtypes import WEIGHT_DTYPES, name_of
 from grctl.weights.mapping import resolve
 
 

@@ -24,10 +24,10 @@ from safetensors import SafetensorError, safe_open
 
 from grctl.errors import ValidationError, WeightValidationError
 from grctl.model.config import ModelConfig
+from grctl.model.dtypes import SAFETENSORS
 from grctl.testing import faults
 from grctl.weights import apply
 from grctl.weights.apply import TensorSpec
-from grctl.weights.dtypes import SAFETENSORS
 
 
 class Checkpoint:

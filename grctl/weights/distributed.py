@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from grctl.errors import InternalError, ValidationError
-from grctl.weights import apply, dtypes
+from grctl.model import dtypes
+from grctl.weights import apply
 from grctl.weights.apply import TensorSpec
 from grctl.weights.process_group import Group, GroupRegistry, timeout_s
 from grctl.weights.updater import UpdateOutcome, WeightUpdater

@@ -13,9 +13,9 @@ import torch
 
 from grctl.errors import ValidationError
 from grctl.model.config import ModelConfig
+from grctl.model.dtypes import SERVED_DTYPES, name_of
 from grctl.model.qwen3 import Qwen3ForCausalLM
 from grctl.weights.checkpoint import Checkpoint, copy_checkpoint, plan_checkpoint
-from grctl.weights.dtypes import SERVED_DTYPES, name_of
 
 # The built-in GR model: ids 0-255 are text and special tokens (0 pad, 1 bos, 2 eos), then three
 # semantic-ID levels of 256 codes each, so an item is three tokens <a_i><b_j><c_k>.

@@ -30,7 +30,7 @@ import torch
 from torch.multiprocessing import reductions
 
 from grctl.errors import GrctlError, WeightValidationError
-from grctl.weights.dtypes import DTYPES
+from grctl.model.dtypes import DTYPES
 from grctl.weights.wire.records import (
     FlattenedTensorMetadata,
     LocalSerializedTensor,

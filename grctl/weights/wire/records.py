@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from grctl.errors import WeightValidationError
-from grctl.weights.dtypes import DTYPES
+from grctl.model.dtypes import DTYPES
 
 _ALLOWED_DTYPES = frozenset(DTYPES.values())
 _MAX_DIM = 2**63 - 1  # torch sizes are int64

@@ -34,7 +34,7 @@ import torch
 from torch.multiprocessing import reductions
 
 from grctl.errors import WeightValidationError
-from grctl.weights.dtypes import DTYPES
+from grctl.model.dtypes import DTYPES
 from grctl.weights.wire.records import FlattenedTensorMetadata, LocalSerializedTensor
 
 # Index of the device in torch's rebuild_cuda_tensor arguments (tensor_cls, size, stride,
