@@ -48,7 +48,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from grctl.weights.wire.ipc import encode_bucket  # noqa: E402
+from grctl.weights.wire.encode import encode_bucket  # noqa: E402
 from tests.support.checkpoints import load_hf, write_checkpoint  # noqa: E402
 from tests.support.serverproc import running_server  # noqa: E402
 from tests.support.weight_helpers import (  # noqa: E402

@@ -20,7 +20,8 @@ import torch
 from grctl.errors import GrctlError
 from grctl.weights.apply import TensorSpec
 from grctl.weights.checkpoint import Checkpoint
-from grctl.weights.wire import ipc
+from grctl.weights.wire import encode
+from grctl.weights.wire.records import FlattenedTensorMetadata
 
 ALIGN = 16  # byte alignment of each tensor inside a bucket
 MiB = 1 << 20
@@ -80,11 +81,11 @@ def plan_buckets(
 
 def shared_buffer(nbytes: int) -> torch.Tensor:
     """A uint8 CPU tensor allocated in named POSIX shared memory (no copy into it later)."""
-    ipc.start_shm_manager_detached()
+    encode.start_shm_manager_detached()
     new = getattr(torch.UntypedStorage, "_new_using_filename_cpu", None)
     try:
         if new is None:  # an older torch: allocate, then move into shared memory once
-            return ipc.share_for_ipc(torch.empty(nbytes, dtype=torch.uint8))
+            return encode.share_for_ipc(torch.empty(nbytes, dtype=torch.uint8))
         return torch.empty(0, dtype=torch.uint8).set_(new(nbytes))
     except RuntimeError as exc:
         if "No space left" not in str(exc):
@@ -145,7 +146,7 @@ class StagedBucket:
         self.flat: torch.Tensor | None = flat
         self._give_back = give_back
         self.metadata = [
-            ipc.FlattenedTensorMetadata(
+            FlattenedTensorMetadata(
                 e.name, torch.Size(e.shape), e.dtype, e.start, e.start + e.nbytes, e.nbytes
             )
             for e in plan.entries
@@ -160,14 +161,14 @@ class StagedBucket:
         one receiver's rebuild consumes, so a payload must never go to two servers."""
         return self.payload_and_shares()[0]
 
-    def payload_and_shares(self) -> tuple[str, ipc.Shares]:
-        """The payload and what it lends the receiver (ipc.Shares), to take back if the
+    def payload_and_shares(self) -> tuple[str, encode.Shares]:
+        """The payload and what it lends the receiver (encode.Shares), to take back if the
         receiver never rebuilds it."""
         assert self.flat is not None, "bucket already freed"
-        bucket = ipc.FlattenedTensorBucket(flattened_tensor=self.flat, metadata=self.metadata)
-        shares = ipc.Shares()
+        bucket = encode.FlattenedTensorBucket(flattened_tensor=self.flat, metadata=self.metadata)
+        shares = encode.Shares()
         payload = bucket.to_payload()
-        text = ipc.MultiprocessingSerializer.serialize(payload, output_str=True, shares=shares)
+        text = encode.MultiprocessingSerializer.serialize(payload, output_str=True, shares=shares)
         return text, shares
 
     def free(self) -> None:

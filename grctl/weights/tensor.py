@@ -11,7 +11,7 @@ from __future__ import annotations
 from grctl.errors import WeightValidationError
 from grctl.weights import apply
 from grctl.weights.updater import UpdateOutcome, WeightUpdater
-from grctl.weights.wire.ipc import decode_payload
+from grctl.weights.wire.decode import decode_payload
 
 
 def first_entry(serialized_named_tensors: object) -> str | bytes:

@@ -219,7 +219,7 @@ import json, sys, time
 from pathlib import Path
 import httpx
 from safetensors.torch import load_file
-from grctl.weights.wire.ipc import encode_bucket
+from grctl.weights.wire.encode import encode_bucket
 url, ckpt, num_chunks, stop_before = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 stall_mid_body = sys.argv[5:] == ["stall_mid_body"]
 named = []

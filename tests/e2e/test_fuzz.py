@@ -14,7 +14,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from grctl.weights.wire.ipc import FlattenedTensorMetadata, MultiprocessingSerializer
+from grctl.weights.wire.encode import MultiprocessingSerializer
+from grctl.weights.wire.records import FlattenedTensorMetadata
 from tests.support import hostile_pickles
 from tests.support.checkpoints import write_checkpoint
 from tests.support.serverproc import running_server

@@ -240,7 +240,7 @@ CHUNK_CLIENT = r"""
 import json, sys
 import httpx
 from safetensors.torch import load_file
-from grctl.weights.wire.ipc import encode_bucket
+from grctl.weights.wire.encode import encode_bucket
 url, path, label, names = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 state = load_file(path + "/model.safetensors")
 for chunk in names:

@@ -16,13 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from grctl.weights.wire.ipc import (
-    FlattenedTensorMetadata,
-    LocalSerializedTensor,
+from grctl.weights.wire.encode import (
     MultiprocessingSerializer,
     encode_bucket,
     encode_named_tensors,
 )
+from grctl.weights.wire.records import FlattenedTensorMetadata, LocalSerializedTensor
 from tests.support import hostile_pickles
 from tests.support.checkpoints import load_hf, write_checkpoint
 from tests.support.serverproc import REPO_ROOT, assert_error, running_server
@@ -76,7 +75,7 @@ def restore(http, path: Path) -> None:
 
 SLIME_CLIENT = r"""
 import json, sys, time, httpx, torch
-from grctl.weights.wire.ipc import encode_bucket
+from grctl.weights.wire.encode import encode_bucket
 from tests.support.checkpoints import load_hf
 url, path, num_chunks = sys.argv[1], sys.argv[2], int(sys.argv[3])
 named = [(n, t.detach().clone()) for n, t in load_hf(path).state_dict().items()]

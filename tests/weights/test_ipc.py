@@ -20,18 +20,16 @@ import pytest
 import torch
 
 from grctl.errors import WeightValidationError
-from grctl.weights.wire import ipc, unpickler
-from grctl.weights.wire.ipc import (
+from grctl.weights.wire import cuda, encode, unpickler
+from grctl.weights.wire.decode import decode_bucket, decode_payload
+from grctl.weights.wire.encode import (
     FlattenedTensorBucket,
-    FlattenedTensorMetadata,
-    LocalSerializedTensor,
     MultiprocessingSerializer,
-    decode_bucket,
-    decode_payload,
     encode_bucket,
     encode_named_tensors,
     share_for_ipc,
 )
+from grctl.weights.wire.records import FlattenedTensorMetadata, LocalSerializedTensor
 from tests.support import hostile_pickles as h
 
 REPO = Path(__file__).resolve().parents[2]
@@ -344,7 +342,7 @@ def test_verl_local_serialized_tensors_decode(module, monkeypatch):
 )
 def test_slime_empty_cuda_padding_bucket(module, monkeypatch):
     """slime pads with {"flattened_tensor": <0-byte CUDA tensor>, "metadata": []}."""
-    device = unpickler.cuda_device_uuid(0) if torch.cuda.is_available() else "GPU-1234-abcd"
+    device = cuda.cuda_device_uuid(0) if torch.cuda.is_available() else "GPU-1234-abcd"
     if module == "torch_stock":  # unpatched senders name torch's function and send an index
         record = _CudaRecord(torch.multiprocessing.reductions.rebuild_cuda_tensor, 0)
         obj = {"flattened_tensor": record, "metadata": []}
@@ -383,8 +381,8 @@ def test_sender_puts_device_uuid_at_arg_6(monkeypatch):
     red = torch.multiprocessing.reductions
     fake_args = tuple(range(15))
     monkeypatch.setattr(red, "reduce_tensor", lambda t: (red.rebuild_cuda_tensor, fake_args))
-    monkeypatch.setattr(ipc, "cuda_device_uuid", lambda index: f"GPU-{index}")
-    rebuild, args = ipc._reduce_tensor(torch.zeros(1))
+    monkeypatch.setattr(encode, "cuda_device_uuid", lambda index: f"GPU-{index}")
+    rebuild, args = encode._reduce_tensor(torch.zeros(1))
     assert rebuild is red.rebuild_cuda_tensor and len(args) == 15
     assert args[6] == "GPU-6" and args[:6] + args[7:] == fake_args[:6] + fake_args[7:]
 
@@ -426,8 +424,8 @@ def _serialize_like_patched_sglang(named) -> str:
         sys.modules[".".join(parts[:n])] = types.ModuleType(".".join(parts[:n]))
     setattr(sys.modules[module], rebuild.__name__, rebuild)
     buf = io.BytesIO()
-    pickler = ipc._IpcPickler(buf)
-    pickler.dispatch_table[torch.Tensor] = lambda t: (rebuild, ipc._reduce_tensor(t)[1])
+    pickler = encode._IpcPickler(buf)
+    pickler.dispatch_table[torch.Tensor] = lambda t: (rebuild, encode._reduce_tensor(t)[1])
     pickler.dump(named)
     return base64.b64encode(buf.getvalue()).decode()
 
@@ -436,11 +434,11 @@ def _serialize_past_its_block(tensor: torch.Tensor) -> str:
     """A CUDA record whose storage claims 1 GiB more than the IPC block it names holds."""
 
     def reduce(t: torch.Tensor):
-        rebuild, args = ipc._reduce_tensor(t)
+        rebuild, args = encode._reduce_tensor(t)
         return rebuild, (*args[:8], args[8] + (1 << 30), *args[9:])  # storage_size_bytes
 
     buf = io.BytesIO()
-    pickler = ipc._IpcPickler(buf)
+    pickler = encode._IpcPickler(buf)
     pickler.dispatch_table[torch.Tensor] = reduce
     pickler.dump([("w", tensor)])
     return base64.b64encode(buf.getvalue()).decode()
@@ -478,7 +476,7 @@ def _round_trip_across_processes(device: str) -> None:
         assert decode_payload(entries["empty"], "flattened_bucket") == []
         if device == "cuda":
             raw = base64.b64decode(entries["bucket"])
-            assert unpickler.cuda_device_uuid(0).encode() in raw  # arg 6 is the UUID
+            assert cuda.cuda_device_uuid(0).encode() in raw  # arg 6 is the UUID
             torch.cuda.synchronize()
             with pytest.raises(WeightValidationError, match="past its IPC block"):
                 decode_payload(entries["past_block"], None)  # last: torch caches by handle
@@ -600,11 +598,12 @@ def test_allowed_globals_refuse_misuse(name):
 
 def test_allowlist_never_imports_the_code_that_uses_it():
     """The wire records are data of their own: the unpickler (and its allowlist) loads
-    without grctl.weights.wire.ipc, so the two modules no longer import each other."""
+    without grctl.weights.wire.encode or .decode, so no module imports back the ones using it."""
     code = (
         "import sys, grctl.weights.wire.unpickler as u; u.SafeUnpickler.find_class(None, "
         "'sglang.srt.weight_sync.tensor_bucket', 'FlattenedTensorMetadata'); "
-        "print('grctl.weights.wire.ipc' in sys.modules)"
+        "print(any(m in sys.modules for m in ('grctl.weights.wire.encode', "
+        "'grctl.weights.wire.decode')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

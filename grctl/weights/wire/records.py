@@ -1,14 +1,15 @@
 """The two records SGLang's tensor wire format pickles, as pure data.
 
 `FlattenedTensorMetadata` locates one tensor inside a flattened bucket; `LocalSerializedTensor`
-is verl's per-TP-rank wrapper. They live apart from ipc.py so that the unpickler's allowlist
-names them without importing the code that sends and receives (no ipc <-> unpickler cycle),
+is verl's per-TP-rank wrapper. They live apart from encode.py and decode.py so that the unpickler's
+allowlist names them without importing the code that sends and receives (no cycle),
 and SGLang's class paths map onto them (grctl.weights.wire.unpickler).
 
 A payload reaches a record through NEWOBJ + BUILD, so `__setstate__` is the entry point a sender
 controls: it takes exactly the record's fields, each of the right type, and nothing else (an
 injected `__setstate__` or extra attribute is refused). Bounds against the bucket's flat tensor
-are checked where the bucket is decoded (ipc.decode_bucket), since a record alone cannot know them.
+are checked where the bucket is decoded (decode.decode_bucket), since a record alone cannot know
+them.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class LocalSerializedTensor:
         self.values = values
 
     def entry(self, rank: int = 0) -> bytes | str:
-        """TP rank `rank`'s serialized tensor (decode it with ipc.MultiprocessingSerializer)."""
+        """TP rank `rank`'s serialized tensor (decode it with decode.deserialize)."""
         values = getattr(self, "values", None) or []
         if not 0 <= rank < len(values):
             raise WeightValidationError(f"LocalSerializedTensor has no entry for TP rank {rank}")

@@ -12,8 +12,8 @@ or called, whatever the payload says. What is still callable is narrowed further
   another process's torch segment, or a socket it planted under a `torch-shm-dir-*` directory:
   that reads its bytes as weights and can unlink the segment's name early (mappings stay
   valid), but runs nothing; one reason weight routes are off unless --allow-weight-update.
-- BUILD can still reach `Tensor.__setstate__` on a rebuilt tensor, so grctl.weights.wire.ipc checks
-  every decoded tensor again (strided, inside its storage, no autograd state).
+- BUILD can still reach `Tensor.__setstate__` on a rebuilt tensor, so grctl.weights.wire.decode
+  checks every decoded tensor again (strided, inside its storage, no autograd state).
 - EXT opcodes are refused before loading: the C unpickler's extension cache would skip
   `find_class` for a code resolved once before in this process.
 """
@@ -21,7 +21,6 @@ or called, whatever the payload says. What is still callable is narrowed further
 from __future__ import annotations
 
 import collections
-import ctypes
 import functools
 import io
 import os
@@ -35,12 +34,10 @@ from torch.multiprocessing import reductions
 
 from grctl.errors import WeightValidationError
 from grctl.model.dtypes import DTYPES
+from grctl.weights.wire.cuda import cuda_address_range, cuda_device_uuid
 from grctl.weights.wire.records import FlattenedTensorMetadata, LocalSerializedTensor
 
-# Index of the device in torch's rebuild_cuda_tensor arguments (tensor_cls, size, stride,
-# storage_offset, storage_cls, dtype, storage_device, storage_handle, ...): 15 in all.
-CUDA_DEVICE_ARG = 6
-_NUM_CUDA_ARGS = 15
+_NUM_CUDA_ARGS = 15  # torch's rebuild_cuda_tensor arguments (wire.cuda.CUDA_DEVICE_ARG: the device)
 _REFUSED_OPCODES = {"EXT1", "EXT2", "EXT4", "PERSID", "BINPERSID"}
 _SHM_NAME = re.compile(rb"/torch_\d+_\d+_\d+")
 _SHM_MANAGER = re.compile(r"/(?:.+/)?torch-shm-dir-\w+/manager\.sock")
@@ -100,10 +97,6 @@ def check_extent(size, stride, offset, itemsize: int, nbytes: int, what: str) ->
     extent = 0 if 0 in size else 1 + sum((n - 1) * s for n, s in zip(size, stride, strict=True))
     end = (offset + extent) * itemsize if extent else 0
     _check(end <= nbytes, f"{what}: view ends at byte {end}, storage holds {nbytes}")
-
-
-def cuda_device_uuid(index: int) -> str:
-    return str(torch.cuda.get_device_properties(index).uuid)
 
 
 def cuda_device_index(device: int | str) -> int:
@@ -228,30 +221,10 @@ def _check_cuda_block(storage: torch.UntypedStorage, nbytes: int) -> None:
     _check(past <= 0, f"CUDA storage of {nbytes} bytes ends {past} bytes past its IPC block")
 
 
-@functools.cache
-def _libcuda():
-    try:
-        return ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return None
-
-
-def cuda_address_range(ptr: int) -> tuple[int, int] | None:
-    """(base, size) of the device allocation holding `ptr` (cuMemGetAddressRange), or None."""
-    lib = _libcuda()
-    fn = getattr(lib, "cuMemGetAddressRange_v2", None) if lib is not None else None
-    if fn is None:
-        return None
-    base, size = ctypes.c_uint64(), ctypes.c_size_t()
-    if fn(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr)) != 0:
-        return None
-    return base.value, size.value
-
-
 _HINTS = {
     ("torch.multiprocessing.reductions", "rebuild_storage_fd"): (
         "CPU tensors must be shared with torch's file_system strategy; file descriptors cannot "
-        "cross HTTP (grctl.weights.wire.ipc.MultiprocessingSerializer does this for you)"
+        "cross HTTP (grctl.weights.wire.encode.MultiprocessingSerializer does this for you)"
     ),
 }
 
