@@ -145,7 +145,7 @@ def run_demo(console: Console, device: str = "cpu") -> list[tuple]:
 
 def write_catalog(path: Path, num_items: int = 2000) -> dict[tuple[int, ...], str]:
     """Items of the built-in model's three semantic-ID levels; {token path: item id}."""
-    from grctl.weights.loader import NUM_TEXT_TOKENS, SID_CODES, SID_LEVELS
+    from grctl.model.builtin import NUM_TEXT_TOKENS, SID_CODES, SID_LEVELS
 
     gen = torch.Generator().manual_seed(11)
     codes = torch.randint(0, SID_CODES, (num_items, SID_LEVELS), generator=gen)

@@ -28,6 +28,7 @@ from litestar.datastructures import State
 
 from grctl.catalog.store import CatalogStore
 from grctl.config import ServeConfig
+from grctl.model.builtin import DEFAULT_MODEL_NAME
 from grctl.server.auth import api_key_guard
 from grctl.server.exceptions import EXCEPTION_HANDLERS
 from grctl.server.limits import BodyLimitMiddleware
@@ -41,7 +42,6 @@ from grctl.server.routes.memory import memory_router
 from grctl.server.routes.weights import weight_router
 from grctl.server.wire import load_tokenizer
 from grctl.weights.checker import WeightsChecker
-from grctl.weights.loader import DEFAULT_MODEL_NAME
 from grctl.weights.updater import WeightUpdater
 
 log = logging.getLogger("grctl.server")

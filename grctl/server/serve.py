@@ -14,9 +14,10 @@ import uvicorn
 
 from grctl.config import ServeConfig
 from grctl.engine.engine import Engine
+from grctl.model.builtin import DEFAULT_MODEL_NAME
 from grctl.server import logs
 from grctl.server.app import DRAIN_TIMEOUT_S, create_app
-from grctl.weights.loader import DEFAULT_MODEL_NAME, load_model, resolve_device
+from grctl.weights.loader import load_model, resolve_device
 
 log = logging.getLogger("grctl.server")
 

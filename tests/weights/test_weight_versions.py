@@ -9,8 +9,9 @@ from grctl.engine.config import EngineConfig
 from grctl.engine.engine import Engine
 from grctl.engine.request import GenerateRequest, SamplingParams
 from grctl.errors import WeightsMixed, WeightsMixedConflict
+from grctl.model.builtin import DEFAULT_CONFIG
 from grctl.weights import apply
-from grctl.weights.loader import DEFAULT_CONFIG, load_model
+from grctl.weights.loader import load_model
 from grctl.weights.mapping import hf_names
 from grctl.weights.updater import WeightUpdater
 from grctl.weights.versions import WeightVersions
