@@ -16,6 +16,7 @@ from grctl.engine.config import EngineConfig
 from grctl.engine.engine import Engine
 from grctl.engine.request import GenerateRequest, SamplingParams
 from grctl.model.config import ModelConfig
+from grctl.model.dtypes import name_of
 from grctl.model.qwen3 import Qwen3ForCausalLM
 from grctl.weights.loader import empty_model, export_hf
 
@@ -35,7 +36,7 @@ SHAPES = {
 
 def build(shape: dict, device: torch.device, dtype=torch.bfloat16, seed: int = 0):
     """Random weights written in place on the device (no host copy of the model)."""
-    cfg = ModelConfig(**shape, torch_dtype=str(dtype).removeprefix("torch."))
+    cfg = ModelConfig(**shape, torch_dtype=name_of(dtype))
     model = empty_model(cfg, device, dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():

@@ -13,6 +13,7 @@ from typing import Any
 from grctl.client import types as t
 from grctl.client.calls import Call, as_, compact, request_body, status_of, text
 from grctl.errors import ValidationError
+from grctl.model.dtypes import name_of
 
 GROUP = "weight_update_group"
 
@@ -244,7 +245,7 @@ class Routes:
     ) -> t.SuccessResult:
         body = compact(
             names=list(names),
-            dtypes=[str(d).removeprefix("torch.") for d in dtypes],
+            dtypes=[name_of(d) for d in dtypes],
             shapes=[list(s) for s in shapes],
             group_name=group_name,
             load_format=load_format,

@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from grctl.knobs import check_knobs, knob
+from grctl.model.dtypes import SERVED_DTYPES
 
-DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+DTYPE_CHOICES = ("auto", *SERVED_DTYPES)
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,7 @@ class EngineConfig:
     device: str = knob("auto", "auto (cuda when available), cpu, cuda or cuda:N.", "Model")
     dtype: str = knob(
         "auto",
-        "auto (the checkpoint's), bfloat16, float16, float32.",
+        "auto (the checkpoint's), bfloat16, float16, float32 (or bf16, fp16, fp32).",
         "Model",
         choices=DTYPE_CHOICES,
     )

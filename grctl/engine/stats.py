@@ -9,6 +9,7 @@ import uuid
 from typing import TYPE_CHECKING
 
 from grctl.engine.request import GenerateResult
+from grctl.model.dtypes import name_of
 
 if TYPE_CHECKING:
     from grctl.engine.engine import Engine
@@ -111,7 +112,7 @@ class EngineStats:
             "prefill_cache": engine.cache.stats(),
             "engine": {
                 "device": str(engine.device),
-                "dtype": str(engine.runner.dtype).removeprefix("torch."),
+                "dtype": name_of(engine.runner.dtype),
                 "worker_alive": engine.is_worker_alive,
                 "weight_version": engine.weight_version,
                 "weights_consistent": engine.is_weights_consistent,

@@ -58,8 +58,8 @@ SERVED_DTYPES = {
 }
 
 
-def name_of(dtype: torch.dtype) -> str:
-    """torch.bfloat16 -> "bfloat16"."""
+def name_of(dtype: torch.dtype | str) -> str:
+    """torch.bfloat16 (or the text "torch.bfloat16") -> "bfloat16"."""
     return str(dtype).removeprefix("torch.")
 
 

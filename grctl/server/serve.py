@@ -15,6 +15,7 @@ import uvicorn
 from grctl.config import ServeConfig
 from grctl.engine.engine import Engine
 from grctl.model.builtin import DEFAULT_MODEL_NAME
+from grctl.model.dtypes import name_of
 from grctl.server import logs
 from grctl.server.app import DRAIN_TIMEOUT_S, create_app
 from grctl.weights.loader import load_model, resolve_device
@@ -45,7 +46,7 @@ def serve(config: ServeConfig) -> None:
         "serving model=%s device=%s dtype=%s weight_version=%s at %s%s",
         config.engine.model_path or DEFAULT_MODEL_NAME,
         param.device,
-        str(param.dtype).removeprefix("torch."),
+        name_of(param.dtype),
         config.engine.weight_version,
         config.url,
         " (API key required)" if config.api_key else "",

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from grctl.errors import ValidationError
+from grctl.model.dtypes import name_of
 from grctl.weights.views import hf_state_dict
 
 ALGORITHM = "sha256"
@@ -26,7 +27,7 @@ def checksums(model: nn.Module) -> dict[str, dict]:
     return {
         name: {
             "sha256": tensor_sha256(view),
-            "dtype": str(view.dtype).removeprefix("torch."),
+            "dtype": name_of(view.dtype),
             "shape": list(view.shape),
         }
         for name, view in hf_state_dict(model).items()

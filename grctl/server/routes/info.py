@@ -13,6 +13,7 @@ import grctl
 from grctl.engine.request import GenerateRequest, SamplingParams
 from grctl.errors import CacheBusy, GrctlError, NotReady
 from grctl.model.device import gpu_uuid
+from grctl.model.dtypes import name_of
 from grctl.protocol.generate import (
     FlushCacheBody,
     FlushCacheResponse,
@@ -98,7 +99,7 @@ async def server_info(state: State) -> ServerInfo:
         weight_version=state.engine.weight_version,
         device=str(param.device),
         gpu_uuid=gpu_uuid(param.device),
-        dtype=str(param.dtype).removeprefix("torch."),
+        dtype=name_of(param.dtype),
         served_model_name=served_model_name(state),
         enable_memory_saver=state.config.enable_memory_saver,
         context_length=cfg.max_context_len,
