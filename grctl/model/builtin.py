@@ -1,9 +1,12 @@
 """The built-in GR model: its structure, its name, its vocabulary and its fixed-seed weights.
 
-With no --model-path, `grctl serve` serves this model, so it works out of the box.
+With no --model-path, `grctl serve` serves this model, so it works out of the box. Its weights
+are a source like a checkpoint: weights/loader.py writes them through the one sink.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 
@@ -34,13 +37,14 @@ DEFAULT_CONFIG = ModelConfig(
 DEFAULT_MODEL_NAME = "grctl-builtin-gr"
 
 
-def init_default_weights(model: Qwen3ForCausalLM, seed: int = DEFAULT_SEED) -> None:
-    """Fill the built-in model from a fixed seed: the same weights at every start."""
+def builtin_weights(
+    model: Qwen3ForCausalLM, seed: int = DEFAULT_SEED
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(parameter name, float32 values) for every parameter of `model`, drawn from a fixed
+    seed in a fixed order: the same weights at every start."""
     gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():  # a fixed order
-            if name.endswith("norm.weight"):
-                values = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
-            else:
-                values = 0.05 * torch.randn(p.shape, generator=gen)
-            p.copy_(values)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            yield name, 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
+        else:
+            yield name, 0.05 * torch.randn(p.shape, generator=gen)

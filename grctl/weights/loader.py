@@ -1,7 +1,8 @@
 """Building the served model: from a checkpoint directory or the built-in default model.
 
-Start-up goes through the same source and sink as a live update (Checkpoint -> apply.plan ->
-apply.copy), streaming tensor by tensor into storage allocated once.
+Start-up goes through the same sources and sink as a live update (a Checkpoint, or the built-in
+model's weights -> apply.plan -> apply.copy), streaming tensor by tensor into storage allocated
+once.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from pathlib import Path
 import torch
 
 from grctl.errors import ValidationError
-from grctl.model.builtin import DEFAULT_CONFIG, init_default_weights
+from grctl.model.builtin import DEFAULT_CONFIG, builtin_weights
 from grctl.model.config import ModelConfig
 from grctl.model.dtypes import SERVED_DTYPES, name_of
 from grctl.model.qwen3 import Qwen3ForCausalLM
+from grctl.weights import apply
 from grctl.weights.checkpoint import Checkpoint, copy_checkpoint, plan_checkpoint
 
 
@@ -52,9 +54,8 @@ def load_model(
     """The model to serve: a checkpoint directory, or the built-in model when path is None."""
     dev = resolve_device(device)
     if model_path is None:
-        cfg = DEFAULT_CONFIG
-        model = empty_model(cfg, dev, resolve_dtype(dtype, cfg))
-        init_default_weights(model)
+        model = empty_model(DEFAULT_CONFIG, dev, resolve_dtype(dtype, DEFAULT_CONFIG))
+        apply.load_tensors(model, list(builtin_weights(model)), require_full=True)
         return model
     with Checkpoint(model_path) as ckpt:
         model = empty_model(ckpt.config, dev, resolve_dtype(dtype, ckpt.config))
