@@ -18,6 +18,7 @@ from grctl.model.builtin import DEFAULT_MODEL_NAME
 from grctl.model.dtypes import name_of
 from grctl.server import logs
 from grctl.server.app import DRAIN_TIMEOUT_S, create_app
+from grctl.testing import faults
 from grctl.weights.loader import load_model, resolve_device
 
 log = logging.getLogger("grctl.server")
@@ -34,6 +35,7 @@ def build_engine(config: ServeConfig) -> Engine:
 def serve(config: ServeConfig) -> None:
     """Run the server until SIGINT/SIGTERM, then drain and stop."""
     logs.configure(config.log_level, config.log_format)
+    faults.install_from_env()  # test hooks: nothing unless a GRCTL_FAULT_* variable is set
     engine = build_engine(config)
     app = create_app(engine, config)
     if config.catalog is not None:

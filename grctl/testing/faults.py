@@ -1,29 +1,40 @@
-"""Test-only fault injection for disk updates: off unless GRCTL_FAULT_READ_ERROR_AFTER is set.
+"""Test-only fault injection for disk updates, installed into the checkpoint's read hooks.
 
 GRCTL_FAULT_READ_ERROR_AFTER=N makes a checkpoint's fetch of its (N+1)-th tensor raise
 OSError(EIO), as a failing disk would, once N tensors were read. GRCTL_FAULT_READ_ERROR_PATH,
-when set, limits it to checkpoints under that directory. tests/e2e/test_faults.py uses it; never
-set either in production.
+when set, limits it to checkpoints under that directory. The server calls `install_from_env`
+at start; with neither variable set nothing is installed. tests/e2e/test_faults.py uses it;
+never set either in production.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import weakref
+from collections.abc import Mapping
 from pathlib import Path
+
+from grctl.weights import checkpoint
 
 _num_fetched: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def before_fetch(ckpt) -> None:
-    after = os.environ.get("GRCTL_FAULT_READ_ERROR_AFTER")
-    if after is None:
+def install_from_env(env: Mapping[str, str] = os.environ) -> None:
+    """Install the faults `env` asks for into the checkpoint's read hooks (once per process)."""
+    after = env.get("GRCTL_FAULT_READ_ERROR_AFTER")
+    installed = [getattr(hook, "func", None) for hook in checkpoint.read_hooks]
+    if after is None or _read_error_after in installed:
         return
-    only = os.environ.get("GRCTL_FAULT_READ_ERROR_PATH")
+    only = env.get("GRCTL_FAULT_READ_ERROR_PATH")
+    checkpoint.read_hooks.append(functools.partial(_read_error_after, int(after), only))
+
+
+def _read_error_after(after: int, only: str | None, ckpt: checkpoint.Checkpoint) -> None:
     if only and not ckpt.path.resolve().is_relative_to(Path(only).resolve()):
         return
     n = _num_fetched.get(ckpt, 0)
     _num_fetched[ckpt] = n + 1
-    if n >= int(after):
+    if n >= after:
         raise OSError(errno.EIO, f"injected read error after {after} tensors (test hook)")

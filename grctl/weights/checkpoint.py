@@ -16,7 +16,7 @@ import errno
 import json
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -25,9 +25,12 @@ from safetensors import SafetensorError, safe_open
 from grctl.errors import ValidationError, WeightValidationError
 from grctl.model.config import ModelConfig
 from grctl.model.dtypes import SAFETENSORS
-from grctl.testing import faults
 from grctl.weights import apply
 from grctl.weights.apply import TensorSpec
+
+# Called with the checkpoint before each tensor is read. Empty in production; tests install a
+# fault here (grctl.testing.faults).
+read_hooks: list[Callable[[Checkpoint], None]] = []
 
 
 class Checkpoint:
@@ -104,7 +107,8 @@ class Checkpoint:
         return specs
 
     def fetch(self, name: str) -> torch.Tensor:
-        faults.before_fetch(self)  # a no-op unless GRCTL_FAULT_READ_ERROR_AFTER is set (tests)
+        for hook in read_hooks:
+            hook(self)
         file = self._where[name]
         if file.suffix == ".safetensors":
             self._open(file)
@@ -116,7 +120,8 @@ class Checkpoint:
         file = self._where[name]
         if file.suffix != ".safetensors":
             return False
-        faults.before_fetch(self)
+        for hook in read_hooks:
+            hook(self)
         self._open(file)
         return self._readers[file].read_into(name, dst)
 
