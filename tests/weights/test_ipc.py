@@ -337,6 +337,24 @@ def test_verl_local_serialized_tensors_decode(module, monkeypatch):
         lst.entry(1)
 
 
+@pytest.mark.parametrize("module", ["grctl.weights.wire_records", "grctl.weights.ipc"])
+def test_older_grctl_record_paths_decode(module, monkeypatch):
+    """Clients of an older grctl pickle both records under the module paths they had then."""
+    named = make_tensors(9)
+    bucket = FlattenedTensorBucket(named_tensors=named)
+    cls = _sglang_metadata_class()
+    records = [cls(**vars(m)) for m in bucket.get_metadata()]
+    obj = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": records}
+    entry = _pickle_as(module, cls, obj, monkeypatch)
+    assert module.encode() in base64.b64decode(entry)
+    assert_same(decode_payload(entry, "flattened_bucket"), named)
+    wrapper = _sglang_local_serialized_tensor_class()
+    inner = [(n, wrapper([MultiprocessingSerializer.serialize(t)])) for n, t in named]
+    entry = _pickle_as(module, wrapper, inner, monkeypatch)
+    assert module.encode() in base64.b64decode(entry)
+    assert_same(decode_payload(entry, None), named)
+
+
 @pytest.mark.parametrize(
     "module", ["sglang.srt.utils.patch_torch", "sglang.srt.patch_torch", "torch_stock"]
 )
