@@ -50,12 +50,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from grctl.weights.wire.encode import encode_bucket  # noqa: E402
 from tests.support.checkpoints import load_hf, write_checkpoint  # noqa: E402
+from tests.support.reference import hf_generate  # noqa: E402
 from tests.support.serverproc import running_server  # noqa: E402
-from tests.support.weight_helpers import (  # noqa: E402
-    checkpoint_sha256,
-    hf_generate,
-    served_sha256,
-)
+from tests.support.weight_helpers import checkpoint_sha256, served_sha256  # noqa: E402
 
 PROMPTS = [[1, 2, 3, 4, 5], [17, 9], [40] * 11, [7, 100, 3, 64, 21, 8, 90]]
 MODES = ("abort", "retract", "in_place")

@@ -1,16 +1,22 @@
-"""Shared fixtures: tiny checkpoints, and GPU tests skipped without CUDA."""
+"""Fixtures every directory shares: tiny checkpoints, the server factory, GPU tests skipped
+without CUDA.
+
+A module that serves sets its own `srv` (start_server for a real `grctl serve`); `http` is then
+a client of it. tests/server/conftest.py adds the session's built-in-model server.
+"""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
 
-from tests.support.checkpoints import write_checkpoint
+from tests.support.checkpoints import write_checkpoint, write_word_tokenizer
 from tests.support.serverproc import REPO_ROOT, ServerProc, running_server
 
 # A meta-device model (the push's plan stage) makes torch create its inductor cache directory,
@@ -29,19 +35,40 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
-def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random HF Qwen3 checkpoint (float32, no tokenizer), written once per session."""
-    return write_checkpoint(tmp_path_factory.mktemp("tiny-qwen3"), seed=0)
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """checkpoint(seed=0, tokenizer=False, **write_checkpoint's keywords) -> a tiny random HF
+    Qwen3 directory, written once per session for each set of arguments and shared: a test
+    that changes files in it copies it first. tokenizer: add write_word_tokenizer's."""
+    written: dict[tuple, Path] = {}
+
+    def make(seed: int = 0, tokenizer: bool = False, **kw) -> Path:
+        key = (seed, tokenizer, *sorted((k, str(v)) for k, v in kw.items()))
+        if key not in written:
+            path = write_checkpoint(tmp_path_factory.mktemp(f"ckpt-seed{seed}"), seed=seed, **kw)
+            if tokenizer:
+                write_word_tokenizer(path)
+            written[key] = path
+        return written[key]
+
+    return make
 
 
 @pytest.fixture(scope="session")
-def builtin_server() -> Iterator[ServerProc]:
-    """One server on the built-in model for the whole session, weight routes on (for pauses)."""
-    with running_server("--allow-weight-update", "--max-http-submit-many", "4") as srv:
-        yield srv
+def tiny_checkpoint(checkpoint: Callable[..., Path]) -> Path:
+    """The tiny checkpoint of seed 0 (float32, no tokenizer)."""
+    return checkpoint(seed=0)
 
 
-@pytest.fixture(scope="session")
-def http(builtin_server: ServerProc) -> Iterator[httpx.Client]:
-    with builtin_server.client() as client:
+@pytest.fixture(scope="module")
+def start_server() -> Iterator[Callable[..., ServerProc]]:
+    """start_server(*flags, env=None) -> a real `grctl serve` (tests/support/serverproc.py),
+    stopped when the module's tests are done."""
+    with ExitStack() as stack:
+        yield lambda *flags, **kw: stack.enter_context(running_server(*flags, **kw))
+
+
+@pytest.fixture(scope="module")
+def http(srv: ServerProc) -> Iterator[httpx.Client]:
+    """A client of the module's `srv`."""
+    with srv.client(timeout=120) as client:
         yield client

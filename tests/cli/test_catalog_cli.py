@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 from grctl.cli import app
 from grctl.client import GRClient
 from grctl.client.types import ItemResult
-from tests.cli.test_cli_client import grctl
-from tests.server.test_catalog_server import write_catalog
+from tests.support.catalogs import write_catalog
+from tests.support.cli import grctl
 from tests.support.serverproc import free_port, running_server
 
 pytestmark = pytest.mark.timeout(180)

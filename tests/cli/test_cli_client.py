@@ -3,7 +3,6 @@ real servers. Exit codes: 0 success, 1 failed sync or verification, 2 usage."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -15,32 +14,19 @@ from typer.testing import CliRunner
 
 from grctl.cli import app
 from grctl.client import GRClient
-from tests.client.test_client_sync import hf_greedy, served, start_servers
-from tests.support.checkpoints import write_checkpoint
-from tests.support.serverproc import REPO_ROOT
+from tests.support.cli import cli_env, grctl
+from tests.support.reference import hf_generate
+from tests.support.serverproc import REPO_ROOT, start_servers
+from tests.support.weight_helpers import served_by_client
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def cli_env(extra: dict | None = None) -> dict:
-    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "COLUMNS": "250", "PYTHONPATH": path, **(extra or {})}
-
-
-def grctl(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "grctl", *args],
-        capture_output=True,
-        text=True,
-        env=cli_env(env),
-        cwd=REPO_ROOT,
-        timeout=timeout,
-    )
+PROMPT = [1, 5, 9, 42, 7]
+NEW_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory, tiny_checkpoint):
-    return tiny_checkpoint, write_checkpoint(tmp_path_factory.mktemp("cli-seed1"), seed=1)
+def ckpts(checkpoint):
+    return checkpoint(seed=0), checkpoint(seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +60,8 @@ def test_push_chunked_then_disk(fleet, ckpts):
     )
     assert out.returncode == 0, out.stderr
     assert "version 5" in out.stdout and out.stdout.count("ok") >= 2 and "B/s" in out.stdout
-    want = hf_greedy(ckpts[1])
-    assert all(served(s.url) == (want, "5") for s in fleet)
+    want = hf_generate(ckpts[1], PROMPT, NEW_TOKENS)
+    assert all(served_by_client(s.url, PROMPT, NEW_TOKENS) == (want, "5") for s in fleet)
 
     gr_url = " ".join(s.url for s in fleet)  # GR_URL holds the fleet, space-separated
     out = grctl(
@@ -89,8 +75,8 @@ def test_push_chunked_then_disk(fleet, ckpts):
         env={"GR_URL": gr_url},
     )
     assert out.returncode == 0, out.stderr
-    want = hf_greedy(ckpts[0])
-    assert all(served(s.url) == (want, "6") for s in fleet)
+    want = hf_generate(ckpts[0], PROMPT, NEW_TOKENS)
+    assert all(served_by_client(s.url, PROMPT, NEW_TOKENS) == (want, "6") for s in fleet)
 
 
 def test_verify_passes_and_fails(fleet, ckpts):
@@ -149,11 +135,11 @@ def test_server_killed_mid_push(fleet, ckpts):
         stdout, stderr = push.communicate(timeout=120)
     assert push.returncode == 1, stdout + stderr
     assert doomed.url in stderr and "failed on 1 of 3" in stderr
-    want = hf_greedy(ckpts[1])
+    want = hf_generate(ckpts[1], PROMPT, NEW_TOKENS)
     for srv in (fleet[0], fleet[1]):
         with GRClient(srv.url) as gr:
             assert gr.ready().ready
-        assert served(srv.url) == (want, "k")
+        assert served_by_client(srv.url, PROMPT, NEW_TOKENS) == (want, "k")
 
 
 def test_demo_runs_end_to_end():

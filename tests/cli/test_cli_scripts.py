@@ -17,11 +17,10 @@ import httpx
 import pytest
 
 from grctl import __version__
-from tests.cli.test_cli_client import cli_env
-from tests.cli.test_cli_client import grctl as run_grctl
-from tests.client.test_client_sync import start_servers
-from tests.support.serverproc import REPO_ROOT
-from tests.support.weight_helpers import hf_greedy
+from tests.support.cli import cli_env
+from tests.support.cli import grctl as run_grctl
+from tests.support.reference import hf_generate
+from tests.support.serverproc import REPO_ROOT, start_servers
 
 pytestmark = pytest.mark.timeout(240)
 KEY = "sekret"
@@ -235,7 +234,7 @@ def test_model_export_then_generate_equals_transformers(tmp_path):
     assert out.returncode == 0, out.stderr
     assert {p.name for p in (tmp_path / "builtin").iterdir()} >= {"config.json",
                                                                  "model.safetensors"}  # fmt: skip
-    want = hf_greedy(tmp_path / "builtin", [1, 300, 600], max_new_tokens=3)
+    want = hf_generate(tmp_path / "builtin", [1, 300, 600], max_new_tokens=3)
     for where in (["--model-path", str(tmp_path / "builtin")], []):
         out = grctl("generate", "1,300,600", "--max-new-tokens", "3", "--device", "cpu", *where)
         assert out.returncode == 0, out.stderr

@@ -12,17 +12,16 @@ import pytest
 from grctl.client import AsyncGRClient, ClientTimeout, ConnectionFailed, GRClient, request_body
 from grctl.client.types import CheckerResult, GenerateResult, Status
 from grctl.errors import CacheBusy, Forbidden, NotFound, Paused, Unauthorized, ValidationError
-from tests.support.serverproc import free_port, running_server
+from tests.support.serverproc import free_port
 
 pytestmark = pytest.mark.timeout(120)
 KEY = "test-key"
 
 
 @pytest.fixture(scope="module")
-def srv(tiny_checkpoint):
+def srv(start_server, tiny_checkpoint):
     args = ["--model-path", str(tiny_checkpoint), "--allow-weight-update", "--api-key", KEY]
-    with running_server(*args, "--max-new-tokens", "400") as server:
-        yield server
+    return start_server(*args, "--max-new-tokens", "400")
 
 
 @pytest.fixture

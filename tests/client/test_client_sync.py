@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 
 import pytest
@@ -18,48 +17,26 @@ from grctl.client import GRClient, SyncError, WeightSync
 from grctl.client.staging import MiB, plan_buckets
 from grctl.errors import WeightValidationError
 from grctl.weights.checkpoint import Checkpoint
-from tests.support.checkpoints import load_hf, write_checkpoint
-from tests.support.serverproc import REPO_ROOT, running_server
+from tests.support.checkpoints import write_checkpoint
+from tests.support.reference import hf_generate
+from tests.support.serverproc import REPO_ROOT, start_servers
+from tests.support.weight_helpers import served_by_client
 
 pytestmark = pytest.mark.timeout(180)
 PROMPT = [1, 5, 9, 42, 7]
 NEW_TOKENS = 6
 
 
-def start_servers(stack: ExitStack, n: int, *args: str) -> list:
-    """n servers started side by side; each is stopped when the stack closes."""
-    managers = [running_server(*args) for _ in range(n)]
-    with ThreadPoolExecutor(n) as pool:
-        servers = list(pool.map(lambda cm: cm.__enter__(), managers))
-    for cm in managers:
-        stack.push(cm.__exit__)
-    return servers
-
-
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory, tiny_checkpoint):
+def ckpts(checkpoint):
     """seed 0 (what the servers start on) and seed 1 (what is pushed)."""
-    return tiny_checkpoint, write_checkpoint(tmp_path_factory.mktemp("tiny-seed1"), seed=1)
+    return checkpoint(seed=0), checkpoint(seed=1)
 
 
 @pytest.fixture(scope="module")
 def fleet(ckpts):
     with ExitStack() as stack:
         yield start_servers(stack, 3, "--model-path", str(ckpts[0]), "--allow-weight-update")
-
-
-def hf_greedy(ckpt) -> list[int]:
-    ids = torch.tensor([PROMPT])
-    out = load_hf(ckpt).generate(
-        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS
-    )
-    return out[0, len(PROMPT) :].tolist()
-
-
-def served(url: str) -> tuple[list[int], str]:
-    with GRClient(url) as gr:
-        out = gr.generate(PROMPT, max_new_tokens=NEW_TOKENS)
-    return out.output_ids, out.meta_info.weight_version
 
 
 def test_bucket_plan_respects_the_budget(ckpts):
@@ -79,11 +56,11 @@ def test_chunked_tensor_push_to_a_fleet(fleet, ckpts):
         result = sync.run(ckpts[1], weight_version=1)
     assert result.ok and result.num_buckets > 5 and len(seen) == result.num_buckets
     assert seen[-1].bytes_done == result.num_bytes
-    want = hf_greedy(ckpts[1])
+    want = hf_generate(ckpts[1], PROMPT, NEW_TOKENS)
     for out in result.servers:
         assert out.resumed and out.verified and out.weight_version == "1"
         assert out.num_buckets == result.num_buckets and out.num_bytes == result.num_bytes
-        assert served(out.url) == (want, "1")
+        assert served_by_client(out.url, PROMPT, NEW_TOKENS) == (want, "1")
 
 
 def test_disk_push_to_a_fleet(fleet, ckpts):
@@ -91,20 +68,20 @@ def test_disk_push_to_a_fleet(fleet, ckpts):
     with WeightSync(urls, transport="disk", verify=True) as sync:
         result = sync.run(ckpts[0], weight_version="disk-0")
     assert result.ok and all(o.num_tensors > 0 for o in result.servers)
-    want = hf_greedy(ckpts[0])
-    assert all(served(u) == (want, "disk-0") for u in urls)
+    want = hf_generate(ckpts[0], PROMPT, NEW_TOKENS)
+    assert all(served_by_client(u, PROMPT, NEW_TOKENS) == (want, "disk-0") for u in urls)
 
 
 def test_bad_checkpoint_keeps_every_server_on_its_version(fleet, tmp_path):
     wrong = write_checkpoint(tmp_path / "wide", seed=2, hidden_size=32)  # another structure
-    before = [served(s.url) for s in fleet]
+    before = [served_by_client(s.url, PROMPT, NEW_TOKENS) for s in fleet]
     with WeightSync([s.url for s in fleet], transport="disk") as sync:
         with pytest.raises(SyncError) as info:
             sync.run(wrong, weight_version="never")
     result = info.value.result
     assert all(o.failed_stage == "push" and o.resumed for o in result.servers)
     assert all(o.weight_version == o.old_version for o in result.servers)
-    assert [served(s.url) for s in fleet] == before
+    assert [served_by_client(s.url, PROMPT, NEW_TOKENS) for s in fleet] == before
     with WeightSync(fleet[0].url) as sync, pytest.raises(WeightValidationError):
         sync.run(tmp_path / "missing")  # refused before any server is paused
     with GRClient(fleet[0].url) as gr:
@@ -128,9 +105,10 @@ def test_server_killed_mid_sync(fleet, ckpts):
     assert "failed on 1 of 3" in message and f"{doomed.url}: push failed" in message
     dead = result.servers[1]
     assert dead.failed_stage == "push" and not dead.resumed and dead.num_buckets == 2
-    want = hf_greedy(ckpts[1])
+    want = hf_generate(ckpts[1], PROMPT, NEW_TOKENS)
     for out in (result.servers[0], result.servers[2]):
-        assert out.ok and out.resumed and served(out.url) == (want, "after-kill")
+        assert out.ok and out.resumed
+        assert served_by_client(out.url, PROMPT, NEW_TOKENS) == (want, "after-kill")
 
 
 def test_library_from_a_separate_process(fleet, ckpts):
@@ -156,7 +134,8 @@ def test_library_from_a_separate_process(fleet, ckpts):
     assert proc.returncode == 0, proc.stderr
     num_buckets, version = proc.stdout.split()
     assert int(num_buckets) > 1 and version == "from-subprocess"
-    assert served(url) == (hf_greedy(ckpts[1]), "from-subprocess")
+    want = hf_generate(ckpts[1], PROMPT, NEW_TOKENS)
+    assert served_by_client(url, PROMPT, NEW_TOKENS) == (want, "from-subprocess")
 
 
 def test_checkpoint_of_another_structure_is_refused_before_any_pause(ckpts, tmp_path):
@@ -177,5 +156,7 @@ def test_checkpoint_of_another_structure_is_refused_before_any_pause(ckpts, tmp_
         with GRClient(odd.url) as gr:
             assert gr.get_weight_version().weight_version == "default"
             assert gr.ready().ready
-        assert served(odd.url) == (hf_greedy(other), "default")
-        assert served(good.url) == (hf_greedy(ckpts[1]), "next")
+        want = hf_generate(other, PROMPT, NEW_TOKENS)
+        assert served_by_client(odd.url, PROMPT, NEW_TOKENS) == (want, "default")
+        want = hf_generate(ckpts[1], PROMPT, NEW_TOKENS)
+        assert served_by_client(good.url, PROMPT, NEW_TOKENS) == (want, "next")

@@ -18,11 +18,10 @@ from contextlib import ExitStack, contextmanager
 
 import httpx
 import pytest
-import torch
 
 from grctl.client import WeightSync
 from grctl.client.router import list_workers
-from tests.support.checkpoints import load_hf, write_checkpoint
+from tests.support.reference import hf_generate
 from tests.support.serverproc import free_port, running_server
 
 pytest.importorskip("sglang_router")
@@ -67,17 +66,12 @@ def healthy_urls(router_url: str) -> set[str]:
     return {w["url"] for w in list_workers(router_url) if w.get("is_healthy")}
 
 
-def hf_greedy(ckpt) -> list[int]:
-    ids = torch.tensor([PROMPT])
-    out = load_hf(ckpt).generate(
-        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS
-    )
-    return out[0, len(PROMPT) :].tolist()
-
-
-def test_fleet_push_through_the_router_under_traffic(tmp_path, tiny_checkpoint):
-    seed1 = write_checkpoint(tmp_path / "seed1", seed=1)
-    want = {"default": hf_greedy(tiny_checkpoint), "1": hf_greedy(seed1)}
+def test_fleet_push_through_the_router_under_traffic(tmp_path, tiny_checkpoint, checkpoint):
+    seed1 = checkpoint(seed=1)
+    want = {
+        "default": hf_generate(tiny_checkpoint, PROMPT, NEW_TOKENS),
+        "1": hf_generate(seed1, PROMPT, NEW_TOKENS),
+    }
     with ExitStack() as stack:
         router = stack.enter_context(running_router(tmp_path / "router.log"))
         flags = ("--model-path", str(tiny_checkpoint), "--allow-weight-update")

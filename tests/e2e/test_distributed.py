@@ -7,7 +7,6 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
 from pathlib import Path
 from subprocess import PIPE
 from unittest.mock import ANY
@@ -22,7 +21,8 @@ from grctl.errors import ValidationError
 from grctl.weights.apply import TensorSpec
 from grctl.weights.checker import tensor_sha256
 from grctl.weights.distributed import byte_layout, parse_specs, split_bucket, wait_all
-from tests.support.checkpoints import load_hf, write_checkpoint
+from tests.support.checkpoints import load_hf
+from tests.support.reference import hf_generate
 from tests.support.serverproc import REPO_ROOT, assert_error, free_port, running_server
 
 pytestmark = pytest.mark.timeout(120)
@@ -34,19 +34,17 @@ THREADS = ThreadPoolExecutor(4)  # for HTTP calls that must be in flight while t
 
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("dist")
-    out = {f"seed{s}": write_checkpoint(root / f"seed{s}", seed=s) for s in (0, 1, 2)}
+def ckpts(checkpoint) -> dict[str, Path]:
+    out = {f"seed{s}": checkpoint(seed=s) for s in (0, 1, 2)}
     for s in (3, 4):
-        out[f"tied{s}"] = write_checkpoint(root / f"tied{s}", seed=s, tie_word_embeddings=True)
+        out[f"tied{s}"] = checkpoint(seed=s, tie_word_embeddings=True)
     return out
 
 
 @pytest.fixture(scope="module")
-def urls(ckpts) -> list[str]:
+def urls(start_server, ckpts) -> list[str]:
     args = ("--allow-weight-update", "--model-path", str(ckpts["seed0"]))
-    with ExitStack() as stack:
-        yield [stack.enter_context(running_server(*args, env=ENV)).url for _ in range(2)]
+    return [start_server(*args, env=ENV).url for _ in range(2)]
 
 
 def post(url: str, path: str, body: dict | None = None) -> httpx.Response:
@@ -70,11 +68,6 @@ def greedy(url: str) -> list[int]:
 
 def destroy(url: str, group_name: str) -> httpx.Response:
     return post(url, "/destroy_weights_update_group", {"group_name": group_name})
-
-
-def hf_greedy(hf) -> list[int]:
-    kw = dict(do_sample=False, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, pad_token_id=0)
-    return hf.generate(torch.tensor([PROMPT]), **kw)[0, len(PROMPT) :].tolist()
 
 
 # ---- units ----------------------------------------------------------------------------------
@@ -154,7 +147,7 @@ def test_full_broadcast_to_two_servers(urls, ckpts, load_format, seed, dtype):
         wb.pg = None
     if dtype:  # the reference generates from the same bf16-rounded weights the servers got
         hf.to(dtype).float()
-    want = hf_greedy(hf)
+    want = hf_generate(hf, PROMPT, MAX_NEW)
     for url in urls:
         served = checksums(url)
         assert served == expected_sums(state, served)
@@ -178,7 +171,7 @@ def test_a_partial_broadcast_leaves_the_weights_mixed_until_the_rest_arrives(url
         wb.send(state.items(), weight_version="whole")
     v = httpx.get(url + "/get_weight_version").json()
     assert not v["weights_mixed"] and list(v["label_counts"]) == ["whole"]
-    assert greedy(url) == hf_greedy(hf)
+    assert greedy(url) == hf_generate(hf, PROMPT, MAX_NEW)
 
 
 def test_tied_embeddings_stay_tied(ckpts):
@@ -196,7 +189,7 @@ def test_tied_embeddings_stay_tied(ckpts):
             for n in ("lm_head.weight", "model.embed_tokens.weight")
         )
         assert lm_head == embed_view
-        assert greedy(srv.url) == hf_greedy(hf)
+        assert greedy(srv.url) == hf_generate(hf, PROMPT, MAX_NEW)
 
 
 def test_invalid_requests_are_refused_without_joining(urls, ckpts):

@@ -49,8 +49,9 @@ from safetensors.torch import save_file
 
 from grctl.weights.checker import tensor_sha256
 from tests.support.checkpoints import hf_config, load_hf
+from tests.support.reference import hf_generate
 from tests.support.serverproc import REPO_ROOT, assert_error, running_server, stop
-from tests.support.weight_helpers import hf_generate, served_sha256
+from tests.support.weight_helpers import served_sha256
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -122,20 +123,13 @@ def big(tmp_path_factory) -> dict[str, Ckpt]:
 
 
 @pytest.fixture(scope="module")
-def srv(big):
+def srv(start_server, big):
     env = {
         "GRCTL_FAULT_READ_ERROR_AFTER": str(READ_ERROR_AFTER),
         "GRCTL_FAULT_READ_ERROR_PATH": str(big["root"] / "faulty"),
     }
     args = ("--allow-weight-update", "--model-path", str(big["base"].path))
-    with running_server(*args, "--weight-version", "base", env=env) as s:
-        yield s
-
-
-@pytest.fixture
-def http(srv):
-    with srv.client(timeout=120) as c:
-        yield c
+    return start_server(*args, "--weight-version", "base", env=env)
 
 
 # ---- helpers -------------------------------------------------------------------------------

@@ -18,7 +18,6 @@ from grctl.weights.wire.encode import MultiprocessingSerializer
 from grctl.weights.wire.records import FlattenedTensorMetadata
 from tests.support import hostile_pickles
 from tests.support.checkpoints import write_checkpoint
-from tests.support.serverproc import running_server
 from tests.support.weight_helpers import served_greedy, served_sha256
 
 pytestmark = pytest.mark.timeout(300)
@@ -63,18 +62,10 @@ def root(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def srv(root):
+def srv(start_server, root):
     ckpt = write_checkpoint(root / "weights" / "base", seed=41)
-    with running_server(
-        "--allow-weight-update", "--model-path", str(ckpt), "--weights-root", str(root / "weights")
-    ) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def http(srv):
-    with srv.client(timeout=30) as c:
-        yield c
+    args = ("--model-path", str(ckpt), "--weights-root", str(root / "weights"))
+    return start_server("--allow-weight-update", *args)
 
 
 @pytest.fixture(scope="module")

@@ -25,8 +25,8 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from tests.support.checkpoints import load_hf, write_checkpoint
+from tests.support.reference import hf_generate
 from tests.support.serverproc import REPO_ROOT, assert_error, running_server
-from tests.support.weight_helpers import hf_generate
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -37,11 +37,10 @@ MAX_NEW = 4
 
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("torn")
+def ckpts(checkpoint) -> dict:
     out = {}
     for label, seed in (("A", 0), ("B", 1)):
-        path = write_checkpoint(root / label, seed=seed, num_hidden_layers=LAYERS)
+        path = checkpoint(seed=seed, num_hidden_layers=LAYERS)
         hf = load_hf(path)
         out[label] = {"path": path, "greedy": [hf_generate(hf, p, MAX_NEW) for p in PROMPTS]}
     assert out["A"]["greedy"] != out["B"]["greedy"]
@@ -49,17 +48,16 @@ def ckpts(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def srv(ckpts):
+def srv(start_server, ckpts):
     args = ("--allow-weight-update", "--model-path", str(ckpts["A"]["path"]))
-    with running_server(*args, "--weight-version", "A") as s:
-        yield s
+    return start_server(*args, "--weight-version", "A")
 
 
 @pytest.fixture
-def http(srv, ckpts):
-    with srv.client(timeout=60) as c:
-        restore(c, ckpts["A"]["path"], "A")
-        yield c
+def http(http, ckpts):
+    """The module's client, the server back on checkpoint A and serving."""
+    restore(http, ckpts["A"]["path"], "A")
+    return http
 
 
 # ---- helpers -------------------------------------------------------------------------------

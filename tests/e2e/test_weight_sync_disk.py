@@ -13,12 +13,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.support.checkpoints import load_hf, write_checkpoint
+from tests.support.reference import hf_generate
 from tests.support.serverproc import assert_error, running_server
 from tests.support.weight_helpers import (
     PROMPTS,
     checkpoint_sha256,
     flush_until_ok,
-    hf_greedy,
     served_greedy,
     served_sha256,
 )
@@ -36,22 +36,9 @@ def ckpts(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def srv(ckpts):
-    args = (
-        "--allow-weight-update",
-        "--model-path",
-        str(ckpts["base"]),
-        "--weights-root",
-        str(ckpts["root"]),
-    )
-    with running_server(*args) as s:
-        yield s
-
-
-@pytest.fixture
-def http(srv):
-    with srv.client() as c:
-        yield c
+def srv(start_server, ckpts):
+    args = ("--model-path", str(ckpts["base"]), "--weights-root", str(ckpts["root"]))
+    return start_server("--allow-weight-update", *args)
 
 
 def restore(http, path: Path, version: str = "base") -> None:
@@ -64,7 +51,7 @@ def restore(http, path: Path, version: str = "base") -> None:
 def test_guide_flow_swaps_to_sharded_checkpoint_and_back(http, ckpts):
     before = {tuple(p): served_greedy(http, p)["output_ids"] for p in PROMPTS}
     for p in PROMPTS:
-        assert before[tuple(p)] == hf_greedy(ckpts["base"], p)
+        assert before[tuple(p)] == hf_generate(ckpts["base"], p)
     resp = http.post("/pause_generation", json={"mode": "abort"})
     assert resp.status_code == 200 and resp.json() == {
         "paused": True,
@@ -86,7 +73,7 @@ def test_guide_flow_swaps_to_sharded_checkpoint_and_back(http, ckpts):
     assert http.post("/continue_generation").json() == {"paused": False}
     for p in PROMPTS:
         out = served_greedy(http, p)
-        assert out["output_ids"] == hf_greedy(ckpts["new"], p)
+        assert out["output_ids"] == hf_generate(ckpts["new"], p)
         assert out["meta_info"]["weight_version"] == "plus1"
         assert out["meta_info"]["weight_versions"] == ["plus1"]
     assert served_sha256(http) == checkpoint_sha256(ckpts["new"])
@@ -188,7 +175,7 @@ def test_refusals_leave_weights_and_version_unchanged(http, ckpts, case):
     assert served_sha256(http) == sums
     v = http.get("/get_weight_version").json()
     assert v["weight_version"] == "good" and v["weight_update_count"] == count
-    assert served_greedy(http, PROMPTS[0])["output_ids"] == hf_greedy(ckpts["base"], PROMPTS[0])
+    assert served_greedy(http, PROMPTS[0])["output_ids"] == hf_generate(ckpts["base"], PROMPTS[0])
 
 
 def test_weights_root_refuses_escapes(http, ckpts, tmp_path):

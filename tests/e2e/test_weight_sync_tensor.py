@@ -23,12 +23,12 @@ from grctl.weights.wire.encode import (
 )
 from grctl.weights.wire.records import FlattenedTensorMetadata, LocalSerializedTensor
 from tests.support import hostile_pickles
-from tests.support.checkpoints import load_hf, write_checkpoint
-from tests.support.serverproc import REPO_ROOT, assert_error, running_server
+from tests.support.checkpoints import load_hf
+from tests.support.reference import hf_generate
+from tests.support.serverproc import REPO_ROOT, assert_error
 from tests.support.weight_helpers import (
     PROMPTS,
     checkpoint_sha256,
-    hf_greedy,
     served_greedy,
     served_sha256,
 )
@@ -37,24 +37,13 @@ pytestmark = pytest.mark.timeout(180)
 
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("tensor-sync")
-    return {
-        "base": write_checkpoint(root / "base", seed=21),
-        "new": write_checkpoint(root / "new", seed=22),
-    }
+def ckpts(checkpoint) -> dict[str, Path]:
+    return {"base": checkpoint(seed=21), "new": checkpoint(seed=22)}
 
 
 @pytest.fixture(scope="module")
-def srv(ckpts):
-    with running_server("--allow-weight-update", "--model-path", str(ckpts["base"])) as s:
-        yield s
-
-
-@pytest.fixture
-def http(srv):
-    with srv.client() as c:
-        yield c
+def srv(start_server, ckpts):
+    return start_server("--allow-weight-update", "--model-path", str(ckpts["base"]))
 
 
 def hf_tensors(path: Path) -> list[tuple[str, torch.Tensor]]:
@@ -131,7 +120,7 @@ def test_slime_sequence_from_a_separate_process(http, srv, ckpts, tmp_path):
     assert served_sha256(http) == checkpoint_sha256(ckpts["new"])
     for p in PROMPTS:
         out = served_greedy(http, p)
-        assert out["output_ids"] == hf_greedy(ckpts["new"], p)
+        assert out["output_ids"] == hf_generate(ckpts["new"], p)
         assert out["meta_info"]["weight_version"] == "7"
 
 

@@ -22,7 +22,7 @@ from grctl.engine.config import EngineConfig
 from grctl.engine.engine import Engine
 from grctl.engine.request import GenerateRequest, SamplingParams
 from grctl.engine.search.logits_processors import parse_logits_processors
-from tests.model.test_model_parity import hf_and_ours
+from tests.support.reference import hf_and_ours
 
 VOCAB = 128
 

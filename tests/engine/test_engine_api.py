@@ -23,7 +23,7 @@ from grctl.errors import (
     ValidationError,
     WeightsInconsistent,
 )
-from tests.model.test_model_parity import hf_and_ours
+from tests.support.reference import hf_and_ours
 
 
 @pytest.fixture(scope="module")

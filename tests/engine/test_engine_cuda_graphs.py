@@ -14,7 +14,7 @@ from grctl.engine.config import EngineConfig
 from grctl.engine.cuda_graphs import DecodeGraphs, EagerPiece
 from grctl.engine.engine import Engine
 from grctl.engine.request import GenerateRequest, SamplingParams
-from tests.model.test_model_parity import hf_and_ours
+from tests.support.reference import hf_and_ours
 
 WIDTHS = (4, 3, 20, 1)  # bucket 4 exact, padded to 4, larger than every bucket (eager), 1
 

@@ -8,7 +8,7 @@ import torch
 from grctl.engine.config import EngineConfig
 from grctl.engine.engine import Engine
 from grctl.engine.request import GenerateRequest, SamplingParams
-from tests.model.test_model_parity import hf_and_ours
+from tests.support.reference import hf_and_ours, hf_generate
 
 VOCAB = 128
 
@@ -37,16 +37,11 @@ def req(ids, **sampling) -> GenerateRequest:
     return GenerateRequest(ids, SamplingParams(**sampling), return_logprob=logprob)
 
 
-def hf_greedy(hf, ids, max_new_tokens, **kw) -> list[int]:
-    out = hf.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, **kw)
-    return out[0, len(ids) :].tolist()
-
-
 @pytest.mark.parametrize("length", [1, 5, 40])
 def test_greedy_equals_transformers(pair, engine, length):
     ids = prompt(length, length)
     res = engine.generate(req(ids, max_new_tokens=8, return_logprob=True))
-    assert res.output_ids == hf_greedy(pair[0], ids, 8)
+    assert res.output_ids == hf_generate(pair[0], ids, 8)
     assert res.finish_reason == "length" and res.matched_stop is None
     # per-token logprobs are transformers' log_softmax at each chosen token
     with torch.no_grad():
@@ -87,7 +82,7 @@ def test_stop_token_ends_greedy_like_transformers_eos(pair, engine):
     cut = next(i for i in range(1, 8) if full[i] not in full[:i])
     stop = full[cut]
     res = engine.generate(req(ids, max_new_tokens=8, stop_token_ids=(stop,)))
-    assert res.output_ids == full[: cut + 1] == hf_greedy(pair[0], ids, 8, eos_token_id=stop)
+    assert res.output_ids == full[: cut + 1] == hf_generate(pair[0], ids, 8, eos_token_id=stop)
     assert res.finish_reason == "stop" and res.matched_stop == stop
     ignored = engine.generate(req(ids, max_new_tokens=8, stop_token_ids=(stop,), ignore_eos=True))
     assert ignored.output_ids == full and ignored.finish_reason == "length"

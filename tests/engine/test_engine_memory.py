@@ -16,7 +16,7 @@ from grctl.engine.cuda_graphs import DecodeGraphs, EagerPiece
 from grctl.engine.engine import Engine
 from grctl.engine.request import GenerateRequest, SamplingParams
 from grctl.errors import Conflict, MemoryReleased, ValidationError
-from tests.model.test_model_parity import hf_and_ours
+from tests.support.reference import hf_and_ours
 
 PROMPT = (3, 17, 5, 99, 42)
 

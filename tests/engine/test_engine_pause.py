@@ -14,7 +14,7 @@ from grctl.engine.config import EngineConfig
 from grctl.engine.engine import Engine
 from grctl.engine.request import GenerateRequest, SamplingParams
 from grctl.errors import NotReady, Paused, PauseTimeout
-from tests.model.test_model_parity import hf_and_ours
+from tests.support.reference import hf_and_ours
 
 PROMPTS = [tuple(range(5, 25)), tuple(range(40, 47)), tuple(range(60, 91))]
 

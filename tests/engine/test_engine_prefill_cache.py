@@ -12,7 +12,7 @@ from grctl.engine.prefill_cache import Entry, PrefillCache
 from grctl.engine.request import GenerateRequest, SamplingParams
 from grctl.weights import apply
 from grctl.weights.updater import WeightUpdater
-from tests.model.test_model_parity import hf_and_ours
+from tests.support.reference import hf_and_ours
 
 
 def entry(num_tokens: int, version: str = "v1") -> Entry:

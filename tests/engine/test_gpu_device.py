@@ -14,8 +14,8 @@ from grctl.weights.checkpoint import Checkpoint
 from grctl.weights.disk import update_from_disk
 from grctl.weights.updater import WeightUpdater
 from grctl.weights.views import hf_state_dict
-from tests.model.test_model_parity import hf_and_ours
 from tests.support.checkpoints import write_checkpoint
+from tests.support.reference import hf_and_ours, rope_pair
 
 pytestmark = pytest.mark.gpu
 
@@ -63,9 +63,7 @@ def test_disk_update_on_cuda_goes_through_pinned_buffers(tmp_path):
 def test_scaled_rope_decodes_through_cuda_graphs(kind):
     """Every RoPE type's frequencies are made on the device, so graph capture (which cannot copy
     from the host) succeeds, and graphed decode equals eager decode."""
-    from tests.model.test_rope_scaling import pair
-
-    model = pair(kind, "rope_parameters")[1].to(last_device())
+    model = rope_pair(kind, "rope_parameters")[1].to(last_device())
     req = GenerateRequest(tuple(range(3, 50)), SamplingParams(max_new_tokens=4, n=3))
     eng = Engine(model, EngineConfig(device=last_device()))
     eng.start()

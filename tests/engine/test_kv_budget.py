@@ -10,7 +10,7 @@ from grctl.engine.engine import Engine
 from grctl.engine.kv_cache import request_kv_bytes
 from grctl.engine.request import GenerateRequest, SamplingParams
 from grctl.errors import ValidationError
-from tests.model.test_model_parity import hf_and_ours
+from tests.support.reference import hf_and_ours
 
 PROMPT, BEAMS, NEW = 40, 4, 3
 

@@ -13,7 +13,7 @@ from grctl.engine.model_runner import DecodeItem
 from grctl.engine.request import GenerateRequest, SamplingParams
 from grctl.model import attention
 from grctl.model.config import ModelConfig
-from tests.model.test_model_parity import hf_and_ours
+from tests.support.reference import hf_and_ours
 
 CFG = ModelConfig(
     num_layers=2,

@@ -11,10 +11,7 @@ import torch
 
 from grctl.engine.kv_cache import BeamKV
 from grctl.engine.model_runner import DecodeItem, ModelRunner
-from grctl.model.config import ModelConfig
-from grctl.model.qwen3 import Qwen3ForCausalLM
-from grctl.weights import apply
-from tests.support.checkpoints import make_hf_model
+from tests.support.reference import hf_and_ours
 
 TOL = 1e-4
 # tied / untied, GQA ratios 1, 2 and 4, head_dim != hidden / heads in each
@@ -28,14 +25,6 @@ CONFIGS = {
         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1, head_dim=40
     ),
 }
-
-
-def hf_and_ours(seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu", **kw):
-    """A random HF Qwen3 and our model holding the same weights (through the weight sink)."""
-    hf = make_hf_model(seed, **kw)
-    ours = Qwen3ForCausalLM(ModelConfig.from_hf(hf.config.to_dict())).eval()
-    apply.load_tensors(ours, list(hf.state_dict().items()), require_full=True)
-    return hf.to(device, dtype), ours.to(device, dtype)
 
 
 def hf_logits(hf, ids: torch.Tensor) -> torch.Tensor:

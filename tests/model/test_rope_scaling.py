@@ -21,51 +21,12 @@ from grctl.model.qwen3 import Qwen3ForCausalLM
 from grctl.model.rope import RopeScaling
 from grctl.weights import apply
 from tests.support.checkpoints import make_hf_model, write_checkpoint
+from tests.support.reference import ROPES, rope_pair
 from tests.support.serverproc import REPO_ROOT, assert_error, free_port, running_server
 
 TOL = 1e-4
-MAX_POS = 32  # prompts below run past it, where every type differs from plain RoPE
-ROPES = {
-    "linear": {"rope_type": "linear", "factor": 4.0},
-    "dynamic": {"rope_type": "dynamic", "factor": 3.0},
-    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
-    "yarn-mscale": {
-        "rope_type": "yarn",
-        "factor": 8.0,
-        "mscale": 0.9,
-        "mscale_all_dim": 0.7,
-        "beta_fast": 16,
-        "truncate": False,
-    },
-    "llama3": {
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8,
-    },
-}
-
 
 pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
-
-
-def pair(kind: str, field: str):
-    rope = ROPES[kind]
-    hf = make_hf_model(
-        seed=5,
-        rope_parameters={**rope, "rope_theta": 10000.0},
-        max_position_embeddings=MAX_POS,
-        head_dim=32,
-    )
-    raw = hf.config.to_dict()
-    if field == "rope_scaling":  # what a config.json written before transformers 5 holds
-        raw["rope_theta"] = raw.pop("rope_parameters")["rope_theta"]
-        raw["rope_scaling"] = dict(rope)
-    ours = Qwen3ForCausalLM(ModelConfig.from_hf(raw)).eval()
-    assert ours.config.rope.rope_type == rope["rope_type"]
-    apply.load_tensors(ours, list(hf.state_dict().items()), require_full=True)
-    return hf, ours
 
 
 def hf_incremental(hf, prompt: torch.Tensor, fed: list[int]) -> list[torch.Tensor]:
@@ -85,7 +46,7 @@ def hf_incremental(hf, prompt: torch.Tensor, fed: list[int]) -> list[torch.Tenso
 @pytest.mark.parametrize("field", ["rope_parameters", "rope_scaling"])
 @pytest.mark.parametrize("kind", sorted(ROPES))
 def test_rope_scaling_matches_transformers(kind, field):
-    hf, ours = pair(kind, field)
+    hf, ours = rope_pair(kind, field)
     cfg = ours.config
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in (5, 40, 61)]
@@ -129,8 +90,8 @@ def test_other_rope_types_are_refused(params, words):
         ModelConfig.from_hf({**raw, "rope_parameters": None, "rope_scaling": params})
 
 
-def test_unsupported_rope_refused_by_serve_and_by_disk_update(tmp_path):
-    good = write_checkpoint(tmp_path / "good", seed=1)
+def test_unsupported_rope_refused_by_serve_and_by_disk_update(tmp_path, checkpoint):
+    good = checkpoint(seed=1)
     bad = write_checkpoint(tmp_path / "bad", seed=2)
     cfg_path = bad / "config.json"
     raw = json.loads(cfg_path.read_text())

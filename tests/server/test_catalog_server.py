@@ -2,32 +2,16 @@
 
 from __future__ import annotations
 
-import json
-import random
 import threading
 import time
 
 import httpx
 import pytest
 
+from tests.support.catalogs import write_catalog
 from tests.support.serverproc import assert_error, running_server
 
 KEY = "catalog-test-key"
-SID = 256  # the built-in model: three semantic-ID levels of 256 codes from id 256 (vocab 1024)
-
-
-def write_catalog(path, seed: int, num: int, codes: int = 256, id_prefix: str = "") -> dict:
-    """A catalog file of `num` 3-token items; returns {tuple(path): [item ids]}."""
-    rng = random.Random(seed)
-    items: dict[tuple, list] = {}
-    lines = []
-    for i in range(num):
-        toks = [SID + d * 256 + rng.randrange(codes) for d in range(3)]
-        item_id = f"{id_prefix}{i}" if id_prefix else i
-        items.setdefault(tuple(toks), []).append(item_id)
-        lines.append(json.dumps({"item_id": item_id, "token_ids": toks, "metadata": {"i": i}}))
-    path.write_text("\n".join(lines) + "\n")
-    return items
 
 
 def generate(client: httpx.Client, n: int = 4, **sampling) -> dict:

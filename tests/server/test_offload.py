@@ -18,7 +18,7 @@ from grctl.engine.engine import Engine
 from grctl.engine.request import GenerateRequest, SamplingParams
 from grctl.errors import DuplicateRequestId, GenerateTimeout
 from grctl.server.offload import offload
-from tests.model.test_model_parity import hf_and_ours
+from tests.support.reference import hf_and_ours
 
 
 def test_a_cancelled_call_is_stopped_and_awaited():

@@ -7,14 +7,12 @@ server should be serving at that point.
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
-import torch
 
 from grctl.client import GRClient, WeightSync
 from grctl.errors import MemoryReleased
-from tests.support.checkpoints import load_hf, write_checkpoint
+from tests.support.checkpoints import load_hf
+from tests.support.reference import hf_generate
 from tests.support.serverproc import assert_error, running_server
 
 pytestmark = pytest.mark.timeout(240)
@@ -22,24 +20,17 @@ PROMPTS = [[1, 5, 9, 42, 7], [3, 3, 100], [64, 2, 8, 11, 90, 4, 4]]
 VERL_DELTA = "verl.checkpoint_engine.delta_sync.sglang_loader.apply_delta"
 
 
-def hf_greedy(hf, prompt: list[int], new_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = hf.generate(
-        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens
-    )
-    return out[0, len(prompt) :].tolist()
+@pytest.fixture(scope="module")
+def ckpts(checkpoint):
+    return checkpoint(seed=0), checkpoint(seed=1)
+
+
+FLAGS = ("--allow-weight-update", "--enable-memory-saver", "--enable-prefill-cache")
 
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory, tiny_checkpoint):
-    return tiny_checkpoint, write_checkpoint(tmp_path_factory.mktemp("colocate-seed1"), seed=1)
-
-
-@pytest.fixture(scope="module")
-def srv(ckpts):
-    flags = ("--allow-weight-update", "--enable-memory-saver", "--enable-prefill-cache")
-    with running_server("--model-path", str(ckpts[0]), *flags) as server:
-        yield server
+def srv(start_server, ckpts):
+    return start_server("--model-path", str(ckpts[0]), *FLAGS)
 
 
 def generate(http, prompt, new_tokens: int = 4):
@@ -59,11 +50,11 @@ def test_batch_generate_answers_each_prompt_in_order(srv, ckpts):
         replies = http.post("/generate", json=body).json()
         assert [r["meta_info"]["id"] for r in replies] == ["a", "b", "c"]
         for reply, prompt, n in zip(replies, PROMPTS, (2, 4, 3), strict=True):
-            assert reply["output_ids"] == hf_greedy(hf, prompt, n)
+            assert reply["output_ids"] == hf_generate(hf, prompt, n)
         one_for_all = http.post(
             "/generate", json={"input_ids": PROMPTS, "sampling_params": {"max_new_tokens": 3}}
         ).json()
-        assert [r["output_ids"] for r in one_for_all] == [hf_greedy(hf, p, 3) for p in PROMPTS]
+        assert [r["output_ids"] for r in one_for_all] == [hf_generate(hf, p, 3) for p in PROMPTS]
         assert_error(
             http.post("/generate", json={"input_ids": PROMPTS[:2], "rid": ["x", "x"]}),
             409,
@@ -78,7 +69,7 @@ def test_verl_colocate_cycle(srv, ckpts):
     hf0, hf1 = load_hf(ckpts[0]), load_hf(ckpts[1])
     with srv.client() as http:
         assert http.get("/server_info").json()["enable_memory_saver"] is True
-        assert generate(http, PROMPTS[0]).json()["output_ids"] == hf_greedy(hf0, PROMPTS[0], 4)
+        assert generate(http, PROMPTS[0]).json()["output_ids"] == hf_generate(hf0, PROMPTS[0], 4)
         resp = http.post("/release_memory_occupation", json={"tags": ["kv_cache", "weights"]})
         assert resp.status_code == 200 and resp.json()["released"] == ["kv_cache", "weights"]
         err = assert_error(generate(http, PROMPTS[0]), 503, "memory_released")
@@ -103,7 +94,7 @@ def test_verl_colocate_cycle(srv, ckpts):
         assert resp.json()["released"] == []
         for prompt in PROMPTS:
             reply = generate(http, prompt).json()
-            assert reply["output_ids"] == hf_greedy(hf1, prompt, 4)
+            assert reply["output_ids"] == hf_generate(hf1, prompt, 4)
             assert reply["meta_info"]["weight_version"] == "1"
         # GET without a body (SGLang takes both) releases and resumes every tag.
         assert http.get("/release_memory_occupation").json()["released"] == [
@@ -112,27 +103,20 @@ def test_verl_colocate_cycle(srv, ckpts):
             "weights",
         ]
         assert http.post("/resume_memory_occupation", json={"tags": None}).json()["released"] == []
-        assert generate(http, PROMPTS[2]).json()["output_ids"] == hf_greedy(hf1, PROMPTS[2], 4)
+        assert generate(http, PROMPTS[2]).json()["output_ids"] == hf_generate(hf1, PROMPTS[2], 4)
 
 
-def test_batch_of_texts(tmp_path, tiny_checkpoint):
+def test_batch_of_texts(checkpoint):
     """text as a list is a batch too: each prompt tokenized, each reply decoded, in order."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    model_dir = tmp_path / "with-tokenizer"
-    shutil.copytree(tiny_checkpoint, model_dir)
-    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(128)}, unk_token="t0"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0").save_pretrained(model_dir)
-    hf = load_hf(tiny_checkpoint)
+    model_dir = checkpoint(seed=0, tokenizer=True)  # a word tokenizer: "t5 t9" <-> [5, 9]
+    hf = load_hf(model_dir)
     texts = [" ".join(f"t{i}" for i in p) for p in PROMPTS]
     with running_server("--model-path", str(model_dir)) as server, server.client() as http:
         body = {"text": texts, "sampling_params": {"max_new_tokens": 3}}
         replies = http.post("/generate", json=body).json()
     assert len(replies) == len(PROMPTS)
     for reply, prompt in zip(replies, PROMPTS, strict=True):
-        want = hf_greedy(hf, prompt, 3)
+        want = hf_generate(hf, prompt, 3)
         assert reply["output_ids"] == want
         assert reply["text"] == " ".join(f"t{i}" for i in want)
 
@@ -146,7 +130,7 @@ def test_client_batch_and_memory_calls(srv, ckpts):
         )
         assert [r.meta_info.id for r in replies] == ["p", "q", "r"]
         for reply, prompt, n in zip(replies, PROMPTS, (1, 2, 3), strict=True):
-            assert reply.output_ids == hf_greedy(hf, prompt, n)
+            assert reply.output_ids == hf_generate(hf, prompt, n)
         assert gr.release_memory_occupation(["kv_cache"]).released == ["kv_cache"]
         with pytest.raises(MemoryReleased):
             gr.generate(PROMPTS[0], max_new_tokens=2)

@@ -6,11 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
-from tokenizers import Tokenizer, models, pre_tokenizers
 
-from tests.support.checkpoints import TINY, load_hf, write_checkpoint
-from tests.support.serverproc import running_server
+from tests.support.checkpoints import load_hf
+from tests.support.reference import hf_generate
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -18,44 +16,29 @@ PROMPTS = [[1, 2, 3, 4], [100, 7], [5] * 9]
 MAX_NEW = 6
 
 
-def write_word_tokenizer(path: Path) -> None:
-    """A whitespace word tokenizer over the tiny vocabulary: "t5 t9" <-> [5, 9]."""
-    vocab = {f"t{i}": i for i in range(TINY["vocab_size"])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0")
-    fast.save_pretrained(path)
+@pytest.fixture(scope="module")
+def ckpt(checkpoint) -> Path:
+    return checkpoint(seed=3, tokenizer=True)
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
-    path = write_checkpoint(tmp_path_factory.mktemp("ref-qwen3"), seed=3)
-    write_word_tokenizer(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def http(ckpt):
-    with running_server("--model-path", str(ckpt)) as srv, srv.client() as client:
-        yield client
+def srv(start_server, ckpt):
+    return start_server("--model-path", str(ckpt))
 
 
 @torch.no_grad()
-def hf_greedy(hf, prompt: list[int]) -> tuple[list[int], list[float]]:
-    """Greedy decoding by HF forward passes: the ids and each chosen token's log-probability."""
-    ids, logprobs = list(prompt), []
-    for _ in range(MAX_NEW):
-        logits = hf(torch.tensor([ids])).logits[0, -1].float()
-        lp = torch.log_softmax(logits, -1)
-        tok = int(lp.argmax())
-        ids.append(tok)
-        logprobs.append(float(lp[tok]))
-    return ids[len(prompt) :], logprobs
+def hf_logprobs(hf, prompt: list[int], output_ids: list[int]) -> list[float]:
+    """transformers' log-probability of each output token, given the tokens before it."""
+    logits = hf(torch.tensor([prompt + output_ids])).logits[0, len(prompt) - 1 : -1].float()
+    lp = torch.log_softmax(logits, -1)
+    return lp[torch.arange(len(output_ids)), torch.tensor(output_ids)].tolist()
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_and_logprobs_match_transformers(http, ckpt, prompt):
-    want_ids, want_lps = hf_greedy(load_hf(ckpt), prompt)
+    hf = load_hf(ckpt)
+    want_ids = hf_generate(hf, prompt, MAX_NEW)
+    want_lps = hf_logprobs(hf, prompt, want_ids)
     body = {
         "input_ids": prompt,
         "sampling_params": {"max_new_tokens": MAX_NEW, "ignore_eos": True},

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.checkpoints import load_hf, write_checkpoint
+from tests.support.checkpoints import load_hf
 from tests.support.serverproc import running_server
 from tests.support.weight_helpers import checkpoint_sha256, served_sha256
 
@@ -20,9 +20,8 @@ SHAPE = dict(hidden_size=256, intermediate_size=512, vocab_size=8192, head_dim=6
 
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("reads")
-    return {v: write_checkpoint(root / v, seed=s, **SHAPE) for v, s in (("a", 31), ("b", 32))}
+def ckpts(checkpoint) -> dict[str, Path]:
+    return {v: checkpoint(seed=s, **SHAPE) for v, s in (("a", 31), ("b", 32))}
 
 
 def test_reads_never_see_a_half_written_model(ckpts):

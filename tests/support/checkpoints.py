@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 TINY = dict(
     num_hidden_layers=2,
@@ -64,3 +66,12 @@ def write_checkpoint(
 
 def load_hf(path: Path, dtype: torch.dtype = torch.float32) -> transformers.Qwen3ForCausalLM:
     return transformers.Qwen3ForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def write_word_tokenizer(path: Path) -> None:
+    """A whitespace word tokenizer over the checkpoint's vocabulary: "t5 t9" <-> [5, 9]."""
+    vocab_size = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0")
+    fast.save_pretrained(path)

@@ -18,7 +18,8 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,6 +104,16 @@ def running_server(
             yield srv
         finally:
             stop(srv, stop_timeout)
+
+
+def start_servers(stack: ExitStack, n: int, *args: str) -> list[ServerProc]:
+    """n servers started side by side; each is stopped when the stack closes."""
+    managers = [running_server(*args) for _ in range(n)]
+    with ThreadPoolExecutor(n) as pool:
+        servers = list(pool.map(lambda cm: cm.__enter__(), managers))
+    for cm in managers:
+        stack.push(cm.__exit__)
+    return servers
 
 
 def assert_error(resp: httpx.Response, status: int, code: str) -> dict:

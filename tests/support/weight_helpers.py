@@ -8,28 +8,11 @@ from pathlib import Path
 import httpx
 import torch
 
+from grctl.client import GRClient
 from grctl.weights.checker import tensor_sha256
 from tests.support.checkpoints import load_hf
 
 PROMPTS = [[1, 2, 3, 4, 5], [17, 9], [40] * 11]
-
-
-@torch.no_grad()
-def hf_generate(model, prompt: list[int], max_new_tokens: int = 4) -> list[int]:
-    """transformers' own greedy generation (no EOS stop) with an HF model."""
-    out = model.generate(
-        torch.tensor([prompt]),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    return out[0, len(prompt) :].tolist()
-
-
-def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int = 4) -> list[int]:
-    """transformers' own greedy generation on the checkpoint at `path`."""
-    return hf_generate(load_hf(path), prompt, max_new_tokens)
 
 
 def served_greedy(client: httpx.Client, prompt: list[int], max_new_tokens: int = 4) -> dict:
@@ -37,6 +20,13 @@ def served_greedy(client: httpx.Client, prompt: list[int], max_new_tokens: int =
     resp = client.post("/generate", json=body)
     assert resp.status_code == 200, resp.text
     return resp.json()
+
+
+def served_by_client(url: str, prompt: list[int], max_new_tokens: int) -> tuple[list[int], str]:
+    """GRClient's greedy generation on the server at `url`, and the weight version it names."""
+    with GRClient(url) as gr:
+        out = gr.generate(prompt, max_new_tokens=max_new_tokens)
+    return out.output_ids, out.meta_info.weight_version
 
 
 def checkpoint_sha256(path: Path, dtype: torch.dtype = torch.float32) -> dict[str, str]:

@@ -16,7 +16,7 @@ from grctl.weights.disk import update_from_disk
 from grctl.weights.loader import load_model
 from grctl.weights.updater import WeightUpdater
 from tests.support.checkpoints import write_checkpoint
-from tests.support.weight_helpers import hf_greedy
+from tests.support.reference import hf_generate
 
 PROMPT = (5, 9, 33, 2, 71, 8)
 
@@ -38,15 +38,15 @@ def greedy(engine) -> list[int]:
 
 def test_cache_never_serves_kv_of_replaced_weights_even_without_flush(setup):
     engine, updater, a, b = setup
-    assert greedy(engine) == hf_greedy(a, list(PROMPT))
-    assert greedy(engine) == hf_greedy(a, list(PROMPT))  # a cache hit, same weights
+    assert greedy(engine) == hf_generate(a, list(PROMPT))
+    assert greedy(engine) == hf_generate(a, list(PROMPT))  # a cache hit, same weights
     hits = engine.cache.stats()["hits"]
     assert hits >= 1
     # Same version label, no flush: the cached KV of `a` must not be used for `b`.
     update_from_disk(updater, str(b), weight_version=None, flush_cache=False)
     stats = engine.cache.stats()  # not flushed: the counters stay, the stale entries are gone
     assert stats["entries"] == 0 and stats["hits"] == hits and stats["inserts"] >= 1
-    assert greedy(engine) == hf_greedy(b, list(PROMPT))
+    assert greedy(engine) == hf_generate(b, list(PROMPT))
     assert engine.cache.stats()["hits"] == hits
 
 
@@ -82,7 +82,7 @@ def test_copy_failure_refuses_generation_until_a_good_update(setup):
     assert engine.versions.current == "default" and engine.versions.update_count == 0
     update_from_disk(updater, str(a), weight_version="a")
     assert "weights_inconsistent" not in engine.ready_reasons()
-    assert greedy(engine) == hf_greedy(a, list(PROMPT))
+    assert greedy(engine) == hf_generate(a, list(PROMPT))
 
 
 def test_validation_failure_changes_nothing_and_counts_nothing(setup):
@@ -98,4 +98,4 @@ def test_validation_failure_changes_nothing_and_counts_nothing(setup):
     for n, p in engine.model.named_parameters():
         assert torch.equal(p, before[n])
     assert engine.versions.update_count == 0 and engine.weight_version == "default"
-    assert greedy(engine) == hf_greedy(a, list(PROMPT))
+    assert greedy(engine) == hf_generate(a, list(PROMPT))
