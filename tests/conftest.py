@@ -1,8 +1,9 @@
-"""Fixtures every directory shares: tiny checkpoints, the server factory, GPU tests skipped
+"""Fixtures every directory shares: tiny checkpoints, the server factories, GPU tests skipped
 without CUDA.
 
-A module that serves sets its own `srv` (start_server for a real `grctl serve`); `http` is then
-a client of it. tests/server/conftest.py adds the session's built-in-model server.
+A module that serves sets its own `srv` (start_server for a real `grctl serve`, start_app for
+the app in this process); `http` is then a client of it. tests/server/conftest.py adds the
+session's built-in-model servers.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import httpx
 import pytest
 import torch
 
+from tests.support.appserver import AppServer, app_server
 from tests.support.checkpoints import write_checkpoint, write_word_tokenizer
 from tests.support.serverproc import REPO_ROOT, ServerProc, running_server
 
@@ -68,7 +70,15 @@ def start_server() -> Iterator[Callable[..., ServerProc]]:
 
 
 @pytest.fixture(scope="module")
-def http(srv: ServerProc) -> Iterator[httpx.Client]:
-    """A client of the module's `srv`."""
+def start_app() -> Iterator[Callable[..., AppServer]]:
+    """start_app(*flags, env=None) -> the app in this process (tests/support/appserver.py),
+    stopped when the module's tests are done."""
+    with ExitStack() as stack:
+        yield lambda *flags, **kw: stack.enter_context(app_server(*flags, **kw))
+
+
+@pytest.fixture(scope="module")
+def http(srv: ServerProc | AppServer) -> Iterator[httpx.Client]:
+    """A client of the module's `srv`, a real server or the app in this process."""
     with srv.client(timeout=120) as client:
         yield client

@@ -1,4 +1,5 @@
-"""Weight sync part 1 on a real server: coordination routes, the disk path, versions, refusals."""
+"""Weight sync part 1 on a real server: coordination routes, the disk path, versions, refusals;
+the weight routes turned off, and their API key, in process (Litestar's test client)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.support.appserver import app_server
 from tests.support.checkpoints import load_hf, write_checkpoint
 from tests.support.reference import hf_generate
-from tests.support.serverproc import assert_error, running_server
+from tests.support.serverproc import assert_error
 from tests.support.weight_helpers import (
     PROMPTS,
     checkpoint_sha256,
@@ -252,7 +254,7 @@ def test_pause_makes_generation_503_until_continue(http):
 
 
 def test_disabled_server_answers_403_but_flushes(ckpts):
-    with running_server("--model-path", str(ckpts["base"])) as s, s.client() as c:
+    with app_server("--model-path", str(ckpts["base"])) as s, s.client() as c:
         for method, route in [
             ("POST", "/pause_generation"),
             ("POST", "/continue_generation"),
@@ -273,7 +275,7 @@ def test_disabled_server_answers_403_but_flushes(ckpts):
 
 def test_disabled_routes_still_need_the_api_key(ckpts):
     with (
-        running_server(
+        app_server(
             "--allow-weight-update",
             "--model-path",
             str(ckpts["base"]),

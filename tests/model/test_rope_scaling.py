@@ -8,7 +8,6 @@ import json
 import subprocess
 import sys
 
-import httpx
 import pytest
 import torch
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
@@ -20,9 +19,10 @@ from grctl.model.config import ModelConfig
 from grctl.model.qwen3 import Qwen3ForCausalLM
 from grctl.model.rope import RopeScaling
 from grctl.weights import apply
+from tests.support.appserver import app_server
 from tests.support.checkpoints import make_hf_model, write_checkpoint
 from tests.support.reference import ROPES, rope_pair
-from tests.support.serverproc import REPO_ROOT, assert_error, free_port, running_server
+from tests.support.serverproc import REPO_ROOT, assert_error, free_port
 
 TOL = 1e-4
 
@@ -114,9 +114,7 @@ def test_unsupported_rope_refused_by_serve_and_by_disk_update(tmp_path, checkpoi
         timeout=120,
     )
     assert serve.returncode == 1 and "longrope" in serve.stderr, serve.stderr[-2000:]
-    with running_server("--allow-weight-update", "--model-path", str(good)) as server:
-        reply = httpx.post(
-            server.url + "/update_weights_from_disk", json={"model_path": str(bad)}, timeout=60
-        )
+    with app_server("--allow-weight-update", "--model-path", str(good)) as srv, srv.client() as c:
+        reply = c.post("/update_weights_from_disk", json={"model_path": str(bad)})
         assert_error(reply, 400, "validation_error")
         assert "longrope" in reply.json()["error"]["message"]

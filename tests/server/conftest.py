@@ -1,5 +1,6 @@
-"""The session's server on the built-in model, weight routes on (for pauses): the default `srv`
-of the modules here that set none."""
+"""The session's servers on the built-in model, weight routes on (for pauses): `builtin_app` in
+this process for route contracts (the default `srv` here), `builtin_server` a real `grctl serve`
+for what crosses processes (concurrent connections, disconnects)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,14 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.support.appserver import AppServer, app_server
 from tests.support.serverproc import ServerProc, running_server
+
+
+@pytest.fixture(scope="session")
+def builtin_app() -> Iterator[AppServer]:
+    with app_server("--allow-weight-update", "--max-http-submit-many", "4") as srv:
+        yield srv
 
 
 @pytest.fixture(scope="session")
@@ -17,5 +25,5 @@ def builtin_server() -> Iterator[ServerProc]:
 
 
 @pytest.fixture(scope="module")
-def srv(builtin_server: ServerProc) -> ServerProc:
-    return builtin_server
+def srv(builtin_app: AppServer) -> AppServer:
+    return builtin_app

@@ -1,4 +1,5 @@
-"""Catalog routes on a real server: status, reload, rollback, every bad file, reload under load."""
+"""Catalog routes in process (Litestar's test client): status, reload, rollback, every bad file,
+reload under load."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import time
 import httpx
 import pytest
 
+from tests.support.appserver import app_server
 from tests.support.catalogs import write_catalog
-from tests.support.serverproc import assert_error, running_server
+from tests.support.serverproc import assert_error
 
 KEY = "catalog-test-key"
 
@@ -37,7 +39,7 @@ def check_items(meta: dict, items: dict) -> None:
 def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("catalogs")
     v1 = write_catalog(root / "v1.jsonl", 1, 3000)
-    with running_server(
+    with app_server(
         "--catalog-jsonl",
         str(root / "v1.jsonl"),
         "--allow-catalog-reload",
@@ -54,7 +56,8 @@ def served(tmp_path_factory):
 
 def test_status_generate_and_submit(served):
     srv, client, root, v1 = served
-    assert_error(httpx.get(srv.url + "/catalog/status"), 401, "unauthorized")
+    with srv.client() as anonymous:
+        assert_error(anonymous.get("/catalog/status"), 401, "unauthorized")
     status = client.get("/catalog/status").json()
     assert status["loaded"] and status["num_items"] == 3000 and status["max_depth"] == 3
     assert status["source"].endswith("v1.jsonl") and status["nbytes"] > 0
@@ -170,7 +173,7 @@ def test_reload_under_load_and_rollback(served):
 
 def test_reload_off_without_flag(tmp_path):
     write_catalog(tmp_path / "c.jsonl", 1, 50)
-    with running_server() as srv, srv.client() as client:
+    with app_server() as srv, srv.client() as client:
         body = {"path": str(tmp_path / "c.jsonl")}
         assert_error(client.post("/catalog/reload", json=body), 403, "route_disabled")
         assert_error(client.post("/catalog/rollback"), 403, "route_disabled")

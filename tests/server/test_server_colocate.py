@@ -1,5 +1,6 @@
-"""What verl's colocated SGLang rollout sends, against a real server: release and resume memory
-around a weight push, batch /generate, and its delta load_format refused with the fix.
+"""What verl's colocated SGLang rollout sends: release and resume memory around a weight push
+(a real server), batch /generate, and its delta load_format refused with the fix (in process,
+Litestar's test client).
 
 Every generated sequence is checked against transformers' greedy output on the checkpoint the
 server should be serving at that point.
@@ -11,9 +12,10 @@ import pytest
 
 from grctl.client import GRClient, WeightSync
 from grctl.errors import MemoryReleased
+from tests.support.appserver import app_server
 from tests.support.checkpoints import load_hf
 from tests.support.reference import hf_generate
-from tests.support.serverproc import assert_error, running_server
+from tests.support.serverproc import assert_error
 
 pytestmark = pytest.mark.timeout(240)
 PROMPTS = [[1, 5, 9, 42, 7], [3, 3, 100], [64, 2, 8, 11, 90, 4, 4]]
@@ -33,15 +35,20 @@ def srv(start_server, ckpts):
     return start_server("--model-path", str(ckpts[0]), *FLAGS)
 
 
+@pytest.fixture(scope="module")
+def app(start_app, ckpts):
+    return start_app("--model-path", str(ckpts[0]), *FLAGS)
+
+
 def generate(http, prompt, new_tokens: int = 4):
     return http.post(
         "/generate", json={"input_ids": prompt, "sampling_params": {"max_new_tokens": new_tokens}}
     )
 
 
-def test_batch_generate_answers_each_prompt_in_order(srv, ckpts):
+def test_batch_generate_answers_each_prompt_in_order(app, ckpts):
     hf = load_hf(ckpts[0])
-    with srv.client() as http:
+    with app.client() as http:
         body = {
             "input_ids": PROMPTS,
             "rid": ["a", "b", "c"],
@@ -111,7 +118,7 @@ def test_batch_of_texts(checkpoint):
     model_dir = checkpoint(seed=0, tokenizer=True)  # a word tokenizer: "t5 t9" <-> [5, 9]
     hf = load_hf(model_dir)
     texts = [" ".join(f"t{i}" for i in p) for p in PROMPTS]
-    with running_server("--model-path", str(model_dir)) as server, server.client() as http:
+    with app_server("--model-path", str(model_dir)) as server, server.client() as http:
         body = {"text": texts, "sampling_params": {"max_new_tokens": 3}}
         replies = http.post("/generate", json=body).json()
     assert len(replies) == len(PROMPTS)
@@ -139,15 +146,15 @@ def test_client_batch_and_memory_calls(srv, ckpts):
 
 
 @pytest.mark.parametrize("tags", [["kv"], "weights", [3]])
-def test_bad_tags_are_400_and_change_nothing(srv, tags):
-    with srv.client() as http:
+def test_bad_tags_are_400_and_change_nothing(app, tags):
+    with app.client() as http:
         resp = http.post("/release_memory_occupation", json={"tags": tags})
         assert_error(resp, 400, "validation_error")
         assert http.get("/ready").status_code == 200
 
 
-def test_verl_delta_load_format_is_refused_with_what_to_send(srv):
-    with srv.client() as http:
+def test_verl_delta_load_format_is_refused_with_what_to_send(app):
+    with app.client() as http:
         body = {"serialized_named_tensors": ["AAAA"], "load_format": VERL_DELTA}
         err = assert_error(
             http.post("/update_weights_from_tensor", json=body), 400, "validation_error"
@@ -156,10 +163,10 @@ def test_verl_delta_load_format_is_refused_with_what_to_send(srv):
         assert "delta" in err["message"]
 
 
-def test_memory_routes_served_as_in_sglang_without_the_memory_saver(builtin_server):
+def test_memory_routes_served_as_in_sglang_without_the_memory_saver(builtin_app):
     """As in SGLang, release/resume work whatever /server_info says of the memory saver (slime
     compares that flag with its own); like every weight route they need --allow-weight-update."""
-    with builtin_server.client() as http:
+    with builtin_app.client() as http:
         assert http.get("/server_info").json()["enable_memory_saver"] is False
         released = http.post("/release_memory_occupation", json={"tags": ["kv_cache"]})
         assert released.status_code == 200 and released.json()["released"] == ["kv_cache"]
@@ -167,7 +174,7 @@ def test_memory_routes_served_as_in_sglang_without_the_memory_saver(builtin_serv
         resumed = http.post("/resume_memory_occupation", json={"tags": None})
         assert resumed.status_code == 200 and resumed.json()["released"] == []
         assert http.post("/generate", json={"input_ids": [1, 2]}).status_code == 200
-    with running_server() as plain, plain.client() as http:
+    with app_server() as plain, plain.client() as http:
         err = assert_error(http.post("/release_memory_occupation", json={}), 403, "route_disabled")
         assert "--allow-weight-update" in err["message"]
         assert http.get("/ready").status_code == 200  # nothing was released

@@ -1,6 +1,6 @@
 """Conventions users of SGLang and vLLM expect: /metrics open (unless --metrics-auth) with
 counters typed as counters, --served-model-name, --context-length, and the OpenAPI UI and
-document served without a network."""
+document served without a network; in process (Litestar's test client)."""
 
 from __future__ import annotations
 
@@ -8,17 +8,17 @@ import re
 
 import pytest
 
-from tests.support.serverproc import assert_error, running_server
+from tests.support.appserver import app_server
+from tests.support.serverproc import assert_error
 
 pytestmark = pytest.mark.timeout(120)
 KEY = {"Authorization": "Bearer sekrit"}
 
 
 @pytest.fixture(scope="module")
-def keyed():
+def keyed(start_app):
     flags = ("--api-key", "sekrit", "--served-model-name", "gr-rec", "--context-length", "512")
-    with running_server(*flags) as srv:
-        yield srv
+    return start_app(*flags)
 
 
 def types_of(text: str) -> dict[str, str]:
@@ -58,7 +58,7 @@ def test_metrics_are_open_and_typed(keyed):
 
 
 def test_metrics_auth_guards_metrics():
-    with running_server("--api-key", "sekrit", "--metrics-auth") as srv, srv.client() as http:
+    with app_server("--api-key", "sekrit", "--metrics-auth") as srv, srv.client() as http:
         assert_error(http.get("/metrics"), 401, "unauthorized")
         assert http.get("/metrics", headers=KEY).status_code == 200
 

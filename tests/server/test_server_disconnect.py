@@ -11,6 +11,12 @@ import pytest
 
 pytestmark = pytest.mark.timeout(180)
 
+
+@pytest.fixture(scope="module")
+def srv(builtin_server):
+    return builtin_server  # a real server: the client's socket closes
+
+
 # Slow on purpose: a batch of wide beams over many tokens keeps the engine busy for seconds.
 BODY = {
     "input_ids": [[(p * 31 + j) % 250 + 3 for j in range(200)] for p in range(8)],
@@ -23,14 +29,14 @@ def in_flight(http) -> int:
     return sched["num_running"] + sched["num_waiting"]
 
 
-def test_a_client_that_disconnects_cancels_its_generate(builtin_server, http):
+def test_a_client_that_disconnects_cancels_its_generate(srv, http):
     aborted = http.get("/status").json()["requests"]["aborted"]
     raw = json.dumps(BODY).encode()
     head = (
         f"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(raw)}\r\n\r\n"
     ).encode()
-    with socket.create_connection(("127.0.0.1", builtin_server.port)) as sock:
+    with socket.create_connection(("127.0.0.1", srv.port)) as sock:
         sock.sendall(head + raw)
         deadline = time.monotonic() + 30
         while in_flight(http) == 0:  # the requests are in the engine

@@ -1,4 +1,5 @@
-"""Status, metrics, discovery, /flush_cache, pause behaviour and Litestar's own errors."""
+"""Status, metrics, discovery, /flush_cache, pause behaviour and Litestar's own errors, in process
+on the built-in model (Litestar's test client)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Auth, body limits, overload and timeouts, against a server with an API key and small limits."""
+"""Auth, body limits, overload and timeouts, with an API key and small limits: the route contracts
+in process (Litestar's test client); raw bodies over a socket, and the server's own log, on a
+real `grctl serve`."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import time
 import httpx
 import pytest
 
-from tests.support.serverproc import ServerProc, assert_error, running_server
+from tests.support.appserver import AppServer
+from tests.support.serverproc import ServerProc, assert_error
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -19,17 +22,24 @@ GOOD = {"X-GR-API-Key": KEY}
 LONG = {"max_new_tokens": 64, "n": 64, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def srv():
-    flags = ["--max-http-request-bytes", str(LIMIT), "--max-running-requests", "1"]
-    flags += ["--max-waiting-requests", "2", "--generate-timeout-s", "0.3", "--log-requests"]
-    with running_server(*flags, env={"GR_HTTP_API_KEY": KEY}) as s:
-        yield s
+FLAGS = ["--max-http-request-bytes", str(LIMIT), "--max-running-requests", "1"]
+FLAGS += ["--max-waiting-requests", "2", "--generate-timeout-s", "0.3", "--log-requests"]
+ENV = {"GR_HTTP_API_KEY": KEY}
 
 
 @pytest.fixture(scope="module")
-def http(srv: ServerProc):
-    with srv.client(headers=GOOD) as client:
+def srv(start_server) -> ServerProc:
+    return start_server(*FLAGS, env=ENV)
+
+
+@pytest.fixture(scope="module")
+def app(start_app) -> AppServer:
+    return start_app(*FLAGS, env=ENV)
+
+
+@pytest.fixture(scope="module")
+def http(app: AppServer):
+    with app.client(headers=GOOD) as client:
         yield client
 
 
@@ -59,8 +69,9 @@ def test_startup_log_names_model_device_dtype_address(srv):
 @pytest.mark.parametrize(
     "path", ["/health", "/ready", "/metrics", "/docs", "/openapi.json", "/schema/openapi.json"]
 )
-def test_health_ready_metrics_and_docs_need_no_key(srv, path):  # /metrics: --metrics-auth
-    assert httpx.get(srv.url + path).status_code == 200
+def test_health_ready_metrics_and_docs_need_no_key(app, path):  # /metrics: --metrics-auth
+    with app.client() as anonymous:
+        assert anonymous.get(path).status_code == 200
 
 
 @pytest.mark.parametrize(
@@ -76,9 +87,10 @@ def test_health_ready_metrics_and_docs_need_no_key(srv, path):  # /metrics: --me
         ("GET", "/v1/loads"),
     ],
 )
-def test_auth_matrix(srv, method, path):
+def test_auth_matrix(app, method, path):
     def call(headers):
-        return httpx.request(method, srv.url + path, headers=headers, json={"input_ids": [1]})
+        with app.client() as client:
+            return client.request(method, path, headers=headers, json={"input_ids": [1]})
 
     err = assert_error(call({}), 401, "unauthorized")
     assert "X-GR-API-Key" in err["message"]
@@ -139,13 +151,21 @@ def test_overloaded_and_generate_timeout(http):
     http.post("/abort_request", json={"abort_all": True})
 
 
-def test_healthy_after_everything(srv, http):
-    deadline = time.monotonic() + 30
-    while http.get("/ready").status_code != 200:
-        assert time.monotonic() < deadline, http.get("/ready").text
-        time.sleep(0.05)
-    assert http.get("/health").json() == {"ok": True}
-    assert http.post("/generate", json={"input_ids": [1, 2, 3]}).status_code == 200
+@pytest.mark.parametrize("server", ["app", "srv"])
+def test_healthy_after_everything(request, server):
+    srv = request.getfixturevalue(server)
+    with srv.client(headers=GOOD) as http:
+        deadline = time.monotonic() + 30
+        while http.get("/ready").status_code != 200:
+            assert time.monotonic() < deadline, http.get("/ready").text
+            time.sleep(0.05)
+        assert http.get("/health").json() == {"ok": True}
+        assert http.post("/generate", json={"input_ids": [1, 2, 3]}).status_code == 200
+        assert_error(http.get("/poll/x"), 404, "not_found")
+
+
+def test_one_log_line_per_request(srv):
+    """--log-requests: the real server's output has a JSON line for each request, its route too."""
     assert srv.proc.poll() is None
     lines = [json.loads(x) for x in srv.log_text().splitlines() if x.startswith('{"method"')]
     assert any(x["path"] == "/generate" and x["status"] == 413 for x in lines)

@@ -1,4 +1,5 @@
-"""/generate on a tiny HF checkpoint (served with --model-path) against transformers itself."""
+"""/generate on a tiny HF checkpoint (served with --model-path) against transformers itself, in
+process (Litestar's test client)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ def ckpt(checkpoint) -> Path:
 
 
 @pytest.fixture(scope="module")
-def srv(start_server, ckpt):
-    return start_server("--model-path", str(ckpt))
+def srv(start_app, ckpt):
+    return start_app("--model-path", str(ckpt))
 
 
 @torch.no_grad()

@@ -1,4 +1,4 @@
-"""The serving routes of protocol.md against a real `grctl serve` (built-in model)."""
+"""The serving routes of protocol.md, in process on the built-in model (Litestar's test client)."""
 
 from __future__ import annotations
 
