@@ -235,24 +235,6 @@ def test_weights_checker_snapshot_reset_compare(http, ckpts):
     assert_error(http.post("/weights_checker", json={"action": "explode"}), 400, "validation_error")
 
 
-def test_pause_makes_generation_503_until_continue(http):
-    assert http.post("/pause_generation").json()["mode"] == "abort"  # empty body: abort
-    body = {"input_ids": [1, 2, 3]}
-    for route, payload in (
-        ("/generate", body),
-        ("/submit", body),
-        ("/submit_many", {"requests": [body]}),
-    ):
-        err = assert_error(http.post(route, json=payload), 503, "paused")
-        assert err["retryable"] is True
-    ready = http.get("/ready")
-    assert ready.status_code == 503 and "paused" in ready.json()["reasons"]
-    assert_error(http.post("/pause_generation", json={"mode": "sideways"}), 400, "validation_error")
-    http.post("/continue_generation")
-    assert http.get("/ready").status_code == 200
-    assert http.post("/generate", json=body).status_code == 200
-
-
 def test_disabled_server_answers_403_but_flushes(ckpts):
     with app_server("--model-path", str(ckpts["base"])) as s, s.client() as c:
         for method, route in [
