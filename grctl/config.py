@@ -13,9 +13,10 @@ from typing import Any
 
 from grctl.engine.config import EngineConfig
 from grctl.knobs import Knob, check_knobs, knob, knobs_of
-from grctl.server.logs import LOG_FORMATS, LOG_LEVELS
 
 MiB = 1 << 20
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+LOG_FORMATS = ("text", "json")  # server/logs.py writes each
 
 
 @dataclass(frozen=True)

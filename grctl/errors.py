@@ -138,6 +138,14 @@ class GenerateTimeout(GrctlError):
     code, status, retryable = "generate_timeout", 504, True
 
 
+class RouterError(GrctlError):
+    """An sglang-router refused a registry call, could not be reached, or answered something
+    that is not its worker list (raised by a replica joining it and by a fleet push reading it;
+    no grctl server answers with this code)."""
+
+    code, status = "router_error", 502
+
+
 ERRORS_BY_CODE: dict[str, type[GrctlError]] = {
     cls.code: cls
     for cls in (

@@ -20,7 +20,7 @@ from rich.progress import (
 from rich.table import Table
 
 from grctl.client import outcome
-from grctl.client.types import Status
+from grctl.protocol.info import ServerStatus
 
 
 @contextmanager
@@ -158,7 +158,7 @@ def _struct_text(obj: Any) -> str:
     return ", ".join(f"{f}={getattr(obj, f)!r}" for f in fields) if fields else repr(obj)
 
 
-def status_view(url: str, status: Status) -> Table:
+def status_view(url: str, status: ServerStatus) -> Table:
     """/status in a few lines, each fact once (`--json` has every key)."""
     sched = status.sections.get("scheduler", {})
     reqs = status.sections.get("requests", {})

@@ -8,21 +8,29 @@
     with WeightSync(["http://a:8000", "http://b:8000"], verify=True) as sync:
         result = sync.run("/ckpt/step_7", weight_version=7)
 
-GRClient / AsyncGRClient: one typed method per route of docs/http-api.md. WeightSync: pause ->
-flush -> push (tensor buckets or a disk path) -> continue -> verify, on one server or a fleet.
+GRClient / AsyncGRClient: one typed method per route of docs/http-api.md, each returning its
+reply Struct (grctl.protocol). WeightSync: pause -> flush -> push (tensor buckets or a disk
+path) -> continue -> verify, on one server or a fleet.
 """
 
 from grctl.client.calls import request_body
 from grctl.client.http import DEFAULT_URL, AsyncGRClient, ClientTimeout, ConnectionFailed, GRClient
 from grctl.client.outcome import Progress, ServerOutcome, SyncError, SyncResult
-from grctl.client.types import (
-    CheckerResult,
-    GenerateResult,
-    ServerInfo,
-    Status,
-    UpdateResult,
-    WeightVersion,
+from grctl.protocol.generate import GenerateResponse
+from grctl.protocol.info import ServerInfo, ServerStatus
+from grctl.protocol.weights import (
+    UpdateWeightsResponse,
+    WeightsCheckerResponse,
+    WeightVersionResponse,
 )
+
+# The names these replies had before the client and the server shared one set of Structs, kept
+# so code that imports them keeps working; each is the same class as its new name.
+CheckerResult = WeightsCheckerResponse
+GenerateResult = GenerateResponse
+Status = ServerStatus
+UpdateResult = UpdateWeightsResponse
+WeightVersion = WeightVersionResponse
 
 _LAZY = {"WeightSync": "grctl.client.sync", "CheckpointDigests": "grctl.client.verify"}
 
@@ -40,20 +48,20 @@ def __getattr__(name: str):
 __all__ = [
     "DEFAULT_URL",
     "AsyncGRClient",
-    "CheckerResult",
     "CheckpointDigests",
     "ClientTimeout",
     "ConnectionFailed",
     "GRClient",
-    "GenerateResult",
+    "GenerateResponse",
     "Progress",
     "ServerInfo",
     "ServerOutcome",
-    "Status",
+    "ServerStatus",
     "SyncError",
     "SyncResult",
-    "UpdateResult",
+    "UpdateWeightsResponse",
     "WeightSync",
-    "WeightVersion",
+    "WeightVersionResponse",
+    "WeightsCheckerResponse",
     "request_body",
 ]

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import httpx
 import msgspec
 
-from grctl.client import types as t
 from grctl.errors import GrctlError
+from grctl.protocol.info import ServerStatus
+from grctl.protocol.weights import StatusWeights
 
 
 @dataclass(frozen=True)
@@ -41,13 +43,14 @@ def body_never_read(exc: BaseException) -> bool:
     return isinstance(exc, GrctlError) and exc.status in UNREAD_STATUSES
 
 
-def as_(cls: type) -> Callable[[Any], Any]:
-    return lambda body: msgspec.convert(body, cls, strict=False)
+def as_(cls: Any) -> Callable[[Any], Any]:
+    """Read a reply as `cls` (a protocol Struct, or a list of them), leniently."""
+    return partial(msgspec.convert, type=cls, strict=False)
 
 
-def status_of(body: dict) -> t.Status:
-    weights = msgspec.convert(body.get("weights") or {}, t.WeightVersion, strict=False)
-    return t.Status(weights=weights, sections={k: v for k, v in body.items() if k != "weights"})
+def status_of(body: dict) -> ServerStatus:
+    weights = msgspec.convert(body.get("weights") or {}, StatusWeights, strict=False)
+    return ServerStatus(weights=weights, sections={k: v for k, v in body.items() if k != "weights"})
 
 
 def text(body: Any) -> str:

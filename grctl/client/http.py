@@ -21,10 +21,10 @@ from typing import Any
 import httpx
 import msgspec
 
-from grctl.client import types as t
 from grctl.client.calls import Call, text
 from grctl.client.routes import Routes
 from grctl.errors import CacheBusy, GrctlError, ValidationError, error_from_wire
+from grctl.protocol.info import API_KEY_HEADER, FlushCacheResponse
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 
@@ -44,7 +44,7 @@ class ClientTimeout(GrctlError):
 def auth_headers(api_key: str | None, bearer: bool) -> dict[str, str]:
     if not api_key:
         return {}
-    return {"Authorization": f"Bearer {api_key}"} if bearer else {"X-GR-API-Key": api_key}
+    return {"Authorization": f"Bearer {api_key}"} if bearer else {API_KEY_HEADER: api_key}
 
 
 def read_reply(url: str, resp: httpx.Response, call: Call) -> Any:
@@ -141,7 +141,7 @@ class GRClient(_Base):
             raise self._transport_error(call, exc) from exc
         return read_reply(self.url, resp, call)
 
-    def flush_cache_until_ok(self, retries: int = 60, interval: float = 1.0) -> t.FlushResult:
+    def flush_cache_until_ok(self, retries: int = 60, interval: float = 1.0) -> FlushCacheResponse:
         """slime's loop: GET /flush_cache until it answers 200, `retries` tries `interval` s
         apart. Raises CacheBusy naming the last reply when every try failed."""
         last: GrctlError | None = None
@@ -186,7 +186,9 @@ class AsyncGRClient(_Base):
             raise self._transport_error(call, exc) from exc
         return read_reply(self.url, resp, call)
 
-    async def flush_cache_until_ok(self, retries: int = 60, interval: float = 1.0) -> t.FlushResult:
+    async def flush_cache_until_ok(
+        self, retries: int = 60, interval: float = 1.0
+    ) -> FlushCacheResponse:
         last: GrctlError | None = None
         for attempt in range(max(1, retries)):
             try:

@@ -34,9 +34,9 @@ from grctl.client.outcome import (
 from grctl.client.pipeline import PushOptions, Target, push_buckets
 from grctl.client.preflight import check_covers
 from grctl.client.router import worker_urls as router_workers
-from grctl.client.types import version_str
 from grctl.client.verify import compare_servers, dtype_of, read_server
 from grctl.errors import GrctlError, ValidationError
+from grctl.protocol.weights import version_str
 from grctl.weights.checkpoint import Checkpoint
 
 TRANSPORTS = ("tensor", "disk")

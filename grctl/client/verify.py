@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 
 from grctl.client.outcome import ServerOutcome
-from grctl.client.types import CheckerResult
 from grctl.errors import GrctlError
 from grctl.model import dtypes
+from grctl.protocol.weights import WeightsCheckerResponse
 from grctl.weights.checker import tensor_sha256
 from grctl.weights.checkpoint import Checkpoint
 
@@ -55,7 +55,7 @@ class CheckpointDigests:
             self._ckpt = None
 
 
-def mismatches(checker: CheckerResult, digests: CheckpointDigests) -> list[str]:
+def mismatches(checker: WeightsCheckerResponse, digests: CheckpointDigests) -> list[str]:
     """Every tensor whose server digest differs from the checkpoint's, with why."""
     if not checker.tensors:
         return ["the server returned no checksums (is it grctl with --allow-weight-update?)"]
@@ -92,7 +92,7 @@ def read_server(client, out: ServerOutcome, version: str | None, checksum: bool)
         return None
 
 
-def compare_servers(checks: list[tuple[ServerOutcome, CheckerResult]], checkpoint) -> None:
+def compare_servers(checks: list[tuple[ServerOutcome, WeightsCheckerResponse]], checkpoint) -> None:
     """Each server's digests against the checkpoint's, read once for the whole fleet."""
     digests = CheckpointDigests(checkpoint)
     try:

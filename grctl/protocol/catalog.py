@@ -1,5 +1,6 @@
-"""msgspec Structs of the catalog routes and of the item results in a generate reply."""
+"""The catalog routes' body and reply, and the item rows of a generate reply (docs/catalog.md)."""
 
+import msgspec
 from msgspec import Struct
 
 
@@ -8,7 +9,7 @@ class CatalogReloadBody(Struct, kw_only=True):
 
 
 class CatalogStatus(Struct, kw_only=True):
-    loaded: bool
+    loaded: bool = False
     version: int | None = None  # grows by one per reload; rollback returns to the previous one
     num_items: int = 0
     num_paths: int = 0  # distinct token paths (several items may share one)
@@ -25,9 +26,11 @@ class CatalogStatus(Struct, kw_only=True):
 
 
 class ItemResultOut(Struct, kw_only=True):
-    rank: int
-    token_ids: list[int]
-    item_ids: list[int | str]
-    item_id: int | str | None
-    is_complete: bool
-    score: float
+    """One beam read against the server's item catalog (grctl only)."""
+
+    rank: int = 0
+    token_ids: list[int] = msgspec.field(default_factory=list)
+    item_ids: list[int | str] = msgspec.field(default_factory=list)  # several: a collision
+    item_id: int | str | None = None  # the first of item_ids
+    is_complete: bool = False  # the beam's tokens spell a whole item path
+    score: float = 0.0

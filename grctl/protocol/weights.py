@@ -1,8 +1,6 @@
-"""msgspec Structs for the weight-sync bodies (docs/http-api.md "Weight sync").
+"""The weight-sync and memory routes' bodies and replies (docs/http-api.md "Weight sync").
 
-Unknown keys are ignored; Litestar converts with strict=False, so "7" is read where an int is
-expected. `weight_version` arrives as int or str and is kept as a str.
-No `from __future__ import annotations`: msgspec reads these annotations at runtime.
+`weight_version` arrives as an int or a str (slime sends ints) and is kept as a str.
 """
 
 from typing import Annotated, Any
@@ -11,6 +9,17 @@ import msgspec
 from msgspec import Meta, Struct
 
 Version = str | int | float | None
+DEFAULT_GROUP = "weight_update_group"  # SGLang's default process-group name
+
+
+def version_str(v: Version) -> str | None:
+    """weight_version as sent (int or str) -> the str kept; None means keep the old one.
+    An integral float is its int: 7.0 and 7 name the same version."""
+    if v is None:
+        return None
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    return str(v)
 
 
 class PauseBody(Struct, kw_only=True):
@@ -18,21 +27,27 @@ class PauseBody(Struct, kw_only=True):
 
 
 class PauseResponse(Struct, kw_only=True):
-    paused: bool
-    mode: str
-    num_aborted_requests: int
+    paused: bool = True
+    mode: str = "abort"
+    num_aborted_requests: int = 0
 
 
 class ContinueResponse(Struct, kw_only=True):
-    paused: bool
+    paused: bool = False
 
 
 class WeightVersionResponse(Struct, kw_only=True):
-    weight_version: str
-    token_step: int | str | None
-    weight_update_count: int
+    weight_version: str = ""
+    token_step: int | str | None = None
+    weight_update_count: int = 0
     weights_mixed: bool = False  # the tensors carry more than one label
     label_counts: dict[str, int] = msgspec.field(default_factory=dict)  # label -> HF tensors
+
+
+class StatusWeights(WeightVersionResponse, kw_only=True):
+    """The `weights` section of GET /status: /get_weight_version's keys and one more."""
+
+    last_weight_update_ms: float | None = None
 
 
 class BeginWeightUpdateBody(Struct, kw_only=True):
@@ -45,9 +60,9 @@ class UpdateWeightVersionBody(Struct, kw_only=True):
 
 
 class UpdateWeightVersionResponse(Struct, kw_only=True):
-    success: bool
-    new_version: str
-    message: str
+    success: bool = True
+    new_version: str = ""
+    message: str = ""
 
 
 class GetWeightsBody(Struct, kw_only=True):
@@ -56,7 +71,7 @@ class GetWeightsBody(Struct, kw_only=True):
 
 
 class GetWeightsResponse(Struct, kw_only=True):
-    parameter: Any  # nested lists of floats, truncated along dim 0
+    parameter: Any = None  # nested lists of floats, truncated along dim 0
 
 
 class WeightsCheckerBody(Struct, kw_only=True):
@@ -64,17 +79,23 @@ class WeightsCheckerBody(Struct, kw_only=True):
 
 
 class TensorChecksum(Struct, kw_only=True):
-    sha256: str
-    dtype: str
-    shape: list[int]
+    sha256: str = ""
+    dtype: str = ""
+    shape: list[int] = msgspec.field(default_factory=list)
 
 
-class WeightsCheckerResponse(Struct, kw_only=True, omit_defaults=True):
-    success: bool
+class WeightsCheckerResponse(Struct, kw_only=True):
+    success: bool = True
     message: str = ""
     weight_version: str | None = None
     algorithm: str | None = None
-    tensors: dict[str, TensorChecksum] | None = None
+    tensors: dict[str, TensorChecksum] = msgspec.field(default_factory=dict)  # checksum only
+
+
+class StrictWeightsCheckerResponse(WeightsCheckerResponse, kw_only=True, omit_defaults=True):
+    """What the server sends: `success` always, the rest only when set."""
+
+    success: bool
 
 
 class UpdateFromDiskBody(Struct, kw_only=True):
@@ -97,14 +118,14 @@ class UpdateFromTensorBody(Struct, kw_only=True):
 
 
 class UpdateWeightsResponse(Struct, kw_only=True):
-    success: bool
-    message: str
-    tensors_loaded: int
-    flushed_cache: bool
-    num_aborted_requests: int
-    weight_version: str
-    token_step: int | str | None
-    elapsed_ms: float
+    success: bool = True
+    message: str = ""
+    tensors_loaded: int = 0
+    flushed_cache: bool = False
+    num_aborted_requests: int = 0
+    weight_version: str | None = None
+    token_step: int | str | None = None
+    elapsed_ms: float = 0.0
     model_dir: str | None = None
 
 
@@ -113,7 +134,7 @@ class InitGroupBody(Struct, kw_only=True):
     master_port: int | None = None
     rank_offset: int | None = None
     world_size: int | None = None
-    group_name: str = "weight_update_group"
+    group_name: str = DEFAULT_GROUP
     backend: str | None = None
 
 
@@ -121,7 +142,7 @@ class UpdateFromDistributedBody(Struct, kw_only=True):
     names: list[str] = msgspec.field(default_factory=list)
     dtypes: list[str] = msgspec.field(default_factory=list)
     shapes: list[list[int]] = msgspec.field(default_factory=list)
-    group_name: str = "weight_update_group"
+    group_name: str = DEFAULT_GROUP
     load_format: str | None = None
     weight_version: Version = None
     token_step: int | str | None = None
@@ -130,18 +151,19 @@ class UpdateFromDistributedBody(Struct, kw_only=True):
 
 
 class DestroyGroupBody(Struct, kw_only=True):
-    group_name: str = "weight_update_group"
+    group_name: str = DEFAULT_GROUP
 
 
 class SuccessResponse(Struct, kw_only=True):
-    success: bool
-    message: str
+    success: bool = True
+    message: str = ""
 
 
-def version_str(v: Version) -> str | None:
-    """weight_version as sent (int or str) -> the str we keep; None means keep the old one."""
-    if v is None:
-        return None
-    if isinstance(v, float) and v.is_integer():
-        v = int(v)
-    return str(v)
+class MemoryBody(Struct, kw_only=True):
+    tags: list[str] | None = None  # kv_cache | weights | cuda_graph; null or []: all
+
+
+class MemoryResponse(Struct, kw_only=True):
+    success: bool = True
+    message: str = ""
+    released: list[str] = msgspec.field(default_factory=list)  # still released after the call

@@ -15,7 +15,6 @@ app.state holds what handlers share:
 from __future__ import annotations
 
 import logging
-import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -34,6 +33,7 @@ from grctl.server.exceptions import EXCEPTION_HANDLERS
 from grctl.server.limits import BodyLimitMiddleware
 from grctl.server.metrics import Metrics, MetricsMiddleware
 from grctl.server.openapi import openapi_config, swagger_assets
+from grctl.server.router import router_membership
 from grctl.server.routes.catalog import catalog_routes
 from grctl.server.routes.distributed import distributed_router
 from grctl.server.routes.generate import generate_routes
@@ -59,35 +59,6 @@ async def engine_lifespan(app: Litestar) -> AsyncIterator[None]:
         # uvicorn has already let open requests finish; drain what is still queued, then stop.
         log.info("stopping: draining %d requests", engine.num_in_flight())
         await to_thread.run_sync(partial(engine.stop, drain=True, timeout=DRAIN_TIMEOUT_S))
-
-
-def advertised_url(config: ServeConfig) -> str:
-    """The URL a router reaches this server at: a wildcard host is replaced by this host's name."""
-    if config.host in ("0.0.0.0", "::", ""):
-        return f"http://{socket.getfqdn()}:{config.port}"
-    return config.url
-
-
-@asynccontextmanager
-async def router_membership(app: Litestar) -> AsyncIterator[None]:
-    """With --router-url: join the sglang-router once the engine runs, leave before it drains."""
-    config = app.state.config
-    if not config.router_url:
-        yield
-        return
-    from grctl.client import router  # the router's worker registry (client/router.py)
-
-    url = advertised_url(config)
-    await to_thread.run_sync(router.add_worker, config.router_url, url, config.api_key)
-    log.info("joined the router at %s as %s", config.router_url, url)
-    try:
-        yield
-    finally:
-        try:
-            await to_thread.run_sync(router.remove_worker, config.router_url, url)
-            log.info("left the router at %s", config.router_url)
-        except Exception as exc:  # the router may be gone first; shutting down goes on
-            log.warning("could not leave the router at %s: %s", config.router_url, exc)
 
 
 def create_app(engine: Any, config: ServeConfig, tokenizer: Any | None = None) -> Litestar:

@@ -15,6 +15,7 @@ from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 
 from grctl.errors import Unauthorized, WrongApiKey
+from grctl.protocol.info import API_KEY_HEADER
 
 
 def presented_key(connection: ASGIConnection) -> str | None:
@@ -23,7 +24,7 @@ def presented_key(connection: ASGIConnection) -> str | None:
     if auth is not None:
         scheme, _, token = auth.partition(" ")
         return token.strip() if scheme.lower() == "bearer" else auth.strip()
-    return connection.headers.get("x-gr-api-key")
+    return connection.headers.get(API_KEY_HEADER)
 
 
 def api_key_guard(connection: ASGIConnection, route_handler: BaseRouteHandler) -> None:
@@ -37,7 +38,7 @@ def api_key_guard(connection: ASGIConnection, route_handler: BaseRouteHandler) -
     if not key:
         raise Unauthorized(
             "this server needs an API key",
-            hint="send X-GR-API-Key: <key> or Authorization: Bearer <key>",
+            hint=f"send {API_KEY_HEADER}: <key> or Authorization: Bearer <key>",
         )
     if not hmac.compare_digest(key.encode(), expected.encode()):
         raise WrongApiKey(

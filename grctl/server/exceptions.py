@@ -17,6 +17,8 @@ from grctl.server import logs
 
 log = logging.getLogger("grctl.server")
 
+SGLANG_ERRORS = {"sglang_errors": True}  # the opt of the routes whose errors SGLang's clients read
+
 CODES_BY_STATUS = {
     400: "validation_error",
     401: "unauthorized",

@@ -20,9 +20,6 @@ import logging
 import sys
 import time
 
-LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-LOG_FORMATS = ("text", "json")
-
 log = logging.getLogger("grctl.server")
 
 

@@ -1,4 +1,5 @@
-"""The OpenAPI document and its UI, served without any network access.
+"""The OpenAPI document and its UI, served without any network access, and the error entries
+routes declare in it.
 
 GET /openapi.json (also /schema/openapi.json) is the document; GET /docs is Swagger UI, whose
 scripts and styles come from the swagger-ui-bundle package and are served here under
@@ -10,14 +11,34 @@ from __future__ import annotations
 
 from litestar import Router
 from litestar.openapi import OpenAPIConfig
+from litestar.openapi.datastructures import ResponseSpec
 from litestar.openapi.plugins import JsonRenderPlugin, SwaggerRenderPlugin
 from litestar.static_files import create_static_files_router
 from swagger_ui_bundle import swagger_ui_path
 
 import grctl
+from grctl.protocol.info import ErrorResponse
 
 ASSETS = "/docs/assets"
 EXEMPT = {"auth_exempt": True}
+
+ERROR_DESCRIPTIONS = {
+    400: "validation_error",
+    404: "not_found",
+    409: "duplicate_request_id",
+    413: "payload_too_large",
+    429: "overloaded (retryable)",
+    503: "paused, weights_inconsistent or memory_released (retryable)",
+    504: "generate_timeout (retryable)",
+}
+
+
+def error_responses(*statuses: int) -> dict[int, ResponseSpec]:
+    """OpenAPI entries for the errors a route can answer, all in the one error shape."""
+    return {
+        s: ResponseSpec(data_container=ErrorResponse, description=ERROR_DESCRIPTIONS[s])
+        for s in statuses
+    }
 
 
 def openapi_config() -> OpenAPIConfig:

@@ -17,8 +17,8 @@ from grctl.protocol.generate import (
     FinishReason,
     GenerateBody,
     GenerateResponse,
-    MetaInfo,
     SamplingParamsBody,
+    StrictMetaInfo,
 )
 
 log = logging.getLogger("grctl.server")
@@ -158,7 +158,7 @@ def to_response(result: GenerateResult, tokenizer: Any | None = None) -> Generat
             (float(lp), int(t), None)
             for lp, t in zip(result.output_token_logprobs, result.output_ids, strict=False)
         ]
-    meta = MetaInfo(
+    meta = StrictMetaInfo(
         id=result.request_id,
         prompt_tokens=result.prompt_tokens,
         completion_tokens=result.completion_tokens,

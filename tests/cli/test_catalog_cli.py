@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from grctl.cli import app
 from grctl.client import GRClient
-from grctl.client.types import ItemResult
+from grctl.protocol.catalog import ItemResultOut
 from tests.support.catalogs import write_catalog
 from tests.support.cli import grctl
 from tests.support.serverproc import free_port, running_server
@@ -92,7 +92,7 @@ def test_status_reload_rollback_json_and_typed_client(tmp_path):
             res = gr.generate([1, 2, 3], max_new_tokens=3, n=3)
             assert res.meta_info.catalog_version == 1 and len(res.meta_info.item_results) == 3
             for row in res.meta_info.item_results:
-                assert isinstance(row, ItemResult) and row.is_complete
+                assert isinstance(row, ItemResultOut) and row.is_complete
                 assert row.item_ids == v1[tuple(row.token_ids)] and row.item_id == row.item_ids[0]
             free = gr.generate([1, 2, 3], max_new_tokens=3, n=3, use_catalog=False)
             assert free.meta_info.item_results is None and free.meta_info.catalog_version is None

@@ -10,8 +10,10 @@ import time
 import pytest
 
 from grctl.client import AsyncGRClient, ClientTimeout, ConnectionFailed, GRClient, request_body
-from grctl.client.types import CheckerResult, GenerateResult, Status
 from grctl.errors import CacheBusy, Forbidden, NotFound, Paused, Unauthorized, ValidationError
+from grctl.protocol.generate import GenerateResponse
+from grctl.protocol.info import ServerStatus
+from grctl.protocol.weights import WeightsCheckerResponse
 from tests.support.serverproc import free_port
 
 pytestmark = pytest.mark.timeout(120)
@@ -33,7 +35,7 @@ def gr(srv):
 def test_serving_routes(gr):
     assert gr.health().ok and gr.ready().ready
     out = gr.generate([1, 2, 3], max_new_tokens=3, rid="c-1")
-    assert isinstance(out, GenerateResult) and len(out.output_ids) == 3
+    assert isinstance(out, GenerateResponse) and len(out.output_ids) == 3
     assert out.meta_info.id == "c-1" and out.meta_info.finish_reason.type == "length"
     beams = gr.generate([1, 2, 3], {"max_new_tokens": 2}, n=3).meta_info.beam_results
     assert (
@@ -60,7 +62,7 @@ def test_info_routes(gr, tiny_checkpoint):
     assert info.device == "cpu" and info.dtype == "float32" and info.enable_memory_saver is False
     assert gr.model_info().model_path == str(tiny_checkpoint)
     status = gr.status()
-    assert isinstance(status, Status) and "scheduler" in status.sections
+    assert isinstance(status, ServerStatus) and "scheduler" in status.sections
     assert status.weights.weight_version == gr.get_weight_version().weight_version
     assert "gr_" in gr.metrics()
     assert gr.health_generate().ok
@@ -70,7 +72,7 @@ def test_weight_routes(gr):
     values = gr.get_weights_by_name("model.norm.weight").parameter
     assert isinstance(values, list) and len(values) == 64
     check = gr.weights_checker("checksum")
-    assert isinstance(check, CheckerResult) and check.algorithm == "sha256"
+    assert isinstance(check, WeightsCheckerResponse) and check.algorithm == "sha256"
     assert "model.layers.0.self_attn.q_proj.weight" in check.tensors
     before = gr.get_weight_version()
     assert gr.update_weight_version("relabelled").new_version == "relabelled"

@@ -9,21 +9,11 @@ its line, and the old catalog keeps serving.
 from __future__ import annotations
 
 from litestar import Router, get, post
-from litestar.connection import ASGIConnection
 from litestar.datastructures import State
-from litestar.handlers.base import BaseRouteHandler
 
-from grctl.errors import RouteDisabled
 from grctl.protocol.catalog import CatalogReloadBody, CatalogStatus
+from grctl.server.guards import catalog_reload_guard
 from grctl.server.offload import offload
-
-
-def catalog_reload_guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
-    if not connection.app.state.config.allow_catalog_reload:
-        raise RouteDisabled(
-            f"{connection.url.path} is disabled",
-            hint="start the server with --allow-catalog-reload (or GR_ALLOW_CATALOG_RELOAD=1)",
-        )
 
 
 def status_of(state: State) -> CatalogStatus:

@@ -16,14 +16,10 @@ from grctl.protocol.weights import (
     SuccessResponse,
     UpdateFromDistributedBody,
 )
+from grctl.server.exceptions import SGLANG_ERRORS
+from grctl.server.guards import require_weights, weight_update_guard
 from grctl.server.offload import offload
-from grctl.server.routes.weights import (
-    UPDATE_OPT,
-    log_update,
-    require_weights,
-    update_options,
-    weight_update_guard,
-)
+from grctl.server.routes.weights import log_update, update_options
 from grctl.weights import distributed
 from grctl.weights.process_group import GroupRegistry, check_init_args
 
@@ -107,7 +103,7 @@ async def destroy_weights_update_group(
 distributed_router = Router(
     path="/",
     guards=[weight_update_guard],
-    opt=UPDATE_OPT,
+    opt=SGLANG_ERRORS,
     route_handlers=[
         init_weights_update_group,
         update_weights_from_distributed,

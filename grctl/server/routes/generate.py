@@ -28,10 +28,10 @@ from grctl.protocol.generate import (
     SubmitManyBody,
     SubmitManyResponse,
     SubmitResponse,
-    error_responses,
 )
 from grctl.server.disconnect import unless_disconnected
 from grctl.server.offload import offload
+from grctl.server.openapi import error_responses
 from grctl.server.wire import to_requests, to_response
 
 

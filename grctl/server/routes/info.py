@@ -14,7 +14,7 @@ from grctl.engine.request import GenerateRequest, SamplingParams
 from grctl.errors import CacheBusy, GrctlError, NotReady
 from grctl.model.device import gpu_uuid
 from grctl.model.dtypes import name_of
-from grctl.protocol.generate import (
+from grctl.protocol.info import (
     FlushCacheBody,
     FlushCacheResponse,
     HealthResponse,
@@ -22,6 +22,7 @@ from grctl.protocol.generate import (
     ModelInfo,
     ReadyResponse,
     ServerInfo,
+    StrictFlushCacheResponse,
 )
 from grctl.server.metrics import numeric_gauges, split_series
 from grctl.server.offload import offload
@@ -160,12 +161,13 @@ def flush_hint(pause_mode: str | None) -> str:
 async def flush(state: State, timeout: float | None) -> Response[FlushCacheResponse]:
     ok, cleared = await offload(state, state.engine.flush_cache, timeout=timeout or 0.0)
     if ok:
-        return Response(FlushCacheResponse(success=True, entries_cleared=cleared), status_code=200)
+        body = StrictFlushCacheResponse(success=True, entries_cleared=cleared)
+        return Response(body, status_code=200)
     busy = CacheBusy(
         "cannot flush the cache while requests hold KV or are being computed",
         hint=flush_hint(state.engine.pause_mode),
     )
-    body = FlushCacheResponse(success=False, message=str(busy), error=busy.to_dict())
+    body = StrictFlushCacheResponse(success=False, message=str(busy), error=busy.to_dict())
     return Response(body, status_code=400)
 
 

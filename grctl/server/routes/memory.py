@@ -8,28 +8,20 @@ anything is released, /generate is a retryable 503 `memory_released`. Served, as
 whether or not the memory saver is reported on (`--enable-memory-saver` only sets what
 /server_info says, which slime compares with its own --offload-rollout); like every route that
 touches the weights, they need --allow-weight-update.
-No `from __future__ import annotations`: msgspec reads the Struct annotations at runtime.
 """
+
+from __future__ import annotations
 
 import msgspec
 from litestar import Request, Router, route
 from litestar.datastructures import State
-from msgspec import Struct
 
 from grctl.errors import ValidationError
-from grctl.protocol.generate import error_responses
+from grctl.protocol.weights import MemoryBody, MemoryResponse
+from grctl.server.guards import weight_update_guard
 from grctl.server.offload import offload
-from grctl.server.routes.weights import merged_params, weight_update_guard
-
-
-class MemoryBody(Struct, kw_only=True):
-    tags: list[str] | None = None  # kv_cache | weights | cuda_graph; null or []: all
-
-
-class MemoryResponse(Struct, kw_only=True):
-    success: bool
-    message: str
-    released: list[str]  # what stays released after this call
+from grctl.server.openapi import error_responses
+from grctl.server.params import merged_params
 
 
 async def tags_of(request: Request) -> list[str] | None:

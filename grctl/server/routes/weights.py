@@ -9,17 +9,14 @@ read.
 
 from __future__ import annotations
 
-import json
 from functools import partial
 from pathlib import Path
 
 import msgspec
 from litestar import Request, Router, get, post, route
-from litestar.connection import ASGIConnection
 from litestar.datastructures import State
-from litestar.handlers.base import BaseRouteHandler
 
-from grctl.errors import Forbidden, RouteDisabled, ValidationError
+from grctl.errors import Forbidden, ValidationError
 from grctl.protocol.weights import (
     BeginWeightUpdateBody,
     ContinueResponse,
@@ -27,6 +24,7 @@ from grctl.protocol.weights import (
     GetWeightsResponse,
     PauseBody,
     PauseResponse,
+    StrictWeightsCheckerResponse,
     SuccessResponse,
     TensorChecksum,
     UpdateFromDiskBody,
@@ -40,26 +38,12 @@ from grctl.protocol.weights import (
     version_str,
 )
 from grctl.server import logs
+from grctl.server.exceptions import SGLANG_ERRORS
+from grctl.server.guards import require_weights, weight_update_guard
 from grctl.server.offload import offload
+from grctl.server.params import merged_params
 from grctl.weights import checker, disk, tensor
 from grctl.weights.views import read_rows
-
-UPDATE_OPT = {"sglang_errors": True}
-
-
-def weight_update_guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
-    if not connection.app.state.config.allow_weight_update:
-        raise RouteDisabled(
-            f"{connection.url.path} is disabled",
-            hint="start the server with --allow-weight-update (or GR_ALLOW_WEIGHT_UPDATE=1)",
-        )
-
-
-def require_weights(state: State) -> None:
-    """Reading or writing the weights while /release_memory_occupation holds them on the host
-    is a 503 (the engine refuses a write again under its lock)."""
-    if state.engine.memory.is_released("weights"):
-        raise state.engine.memory.error("the weights cannot be read or written")
 
 
 @post("/pause_generation", status_code=200, summary="Pause: abort | retract | in_place")
@@ -133,21 +117,6 @@ async def update_weight_version(
     )
 
 
-async def merged_params(request: Request) -> dict:
-    """Query parameters overlaid by a JSON body (SGLang's tests send GET with a JSON body)."""
-    params: dict = dict(request.query_params)
-    raw = await request.body()
-    if raw.strip():
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-            raise ValidationError(f"body is not valid JSON: {exc}") from exc
-        if not isinstance(body, dict):
-            raise ValidationError("body must be a JSON object")
-        params.update(body)
-    return params
-
-
 @route(
     "/get_weights_by_name",
     http_method=["GET", "POST"],
@@ -181,7 +150,7 @@ async def weights_checker(
     # Each read runs between updates (the updater's lock), in a worker thread.
     if action == "checksum":
         sums = await offload(state, read, checker.checksums, model)
-        return WeightsCheckerResponse(
+        return StrictWeightsCheckerResponse(
             success=True,
             weight_version=state.engine.weight_version,
             algorithm=checker.ALGORITHM,
@@ -189,17 +158,19 @@ async def weights_checker(
         )
     if action == "snapshot":
         n = await offload(state, read, wc.snapshot, model)
-        return WeightsCheckerResponse(success=True, message=f"snapshot of {n} parameters")
+        return StrictWeightsCheckerResponse(success=True, message=f"snapshot of {n} parameters")
     if action == "reset_tensors":
         n = await offload(state, state.updater.reset_tensors)
-        return WeightsCheckerResponse(success=True, message=f"reset {n} parameters")
+        return StrictWeightsCheckerResponse(success=True, message=f"reset {n} parameters")
     if action == "compare":
         bad = await offload(state, read, wc.compare, model)
         if bad:
             raise ValidationError(
                 f"{len(bad)} parameter(s) differ from the snapshot: " + ", ".join(bad[:16])
             )
-        return WeightsCheckerResponse(success=True, message="all parameters equal the snapshot")
+        return StrictWeightsCheckerResponse(
+            success=True, message="all parameters equal the snapshot"
+        )
     raise ValidationError(
         f"unknown action {action!r}; use snapshot, reset_tensors, compare or checksum"
     )
@@ -343,7 +314,7 @@ weight_router = Router(
         get_weights_by_name,
         Router(
             path="/",
-            opt=UPDATE_OPT,
+            opt=SGLANG_ERRORS,
             route_handlers=[
                 update_weights_from_disk,
                 update_weights_from_tensor,

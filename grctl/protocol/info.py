@@ -1,0 +1,101 @@
+"""Health, readiness, discovery, /status and /flush_cache replies, the error shape and the
+API-key header (docs/http-api.md "Health, status and discovery", "Errors")."""
+
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta, Struct
+
+from grctl.protocol.weights import StatusWeights
+
+API_KEY_HEADER = "X-GR-API-Key"  # or `Authorization: Bearer <key>`
+
+
+class HealthResponse(Struct, kw_only=True):
+    ok: bool = True
+
+
+class ReadyResponse(Struct, kw_only=True):
+    ready: bool = False
+    reasons: list[str] = msgspec.field(default_factory=list)  # the most decisive first
+    paused: bool = False
+    weight_version: str = ""
+    num_in_flight: int = 0
+
+
+class LoadsResponse(Struct, kw_only=True):
+    num_reqs: int = 0
+    num_waiting_reqs: int = 0
+    num_running_reqs: int = 0
+
+
+class ServerInfo(Struct, kw_only=True):
+    model_path: str = ""
+    weight_version: str = ""
+    tp_size: int = 1
+    dp_size: int = 1
+    pp_size: int = 1
+    ep_size: int = 1
+    num_gpus: int = 1
+    enable_memory_saver: bool = False
+    disaggregation_mode: str = "null"
+    device: str = "cpu"  # grctl's own keys: where pushed tensors must be staged ...
+    gpu_uuid: str | None = None  # ... on which GPU, under any CUDA_VISIBLE_DEVICES; null off CUDA
+    dtype: str = ""  # the served dtype; "" when the server does not say (SGLang)
+    served_model_name: str = ""
+    context_length: int = 0
+    max_running_requests: int = 0
+    max_waiting_requests: int = 0
+    max_beam_width: int = 0
+    max_new_tokens: int = 0
+    enable_prefill_cache: bool = False
+    allow_weight_update: bool = False
+    version: str = ""
+
+
+class ModelInfo(Struct, kw_only=True):
+    model_path: str = ""
+    weight_version: str = ""
+    served_model_name: str = ""
+    is_generation: bool = True
+    tokenizer_path: str | None = None
+    vocab_size: int = 0
+    model_config: dict[str, Any] | None = None  # the served structure, as an HF config.json
+
+
+class ServerStatus(Struct, kw_only=True):
+    """GET /status as the client reads it: `weights` typed, every other section as sent (the
+    reply itself is one flat object: scheduler, prefill_cache, engine, weights, catalog...)."""
+
+    weights: StatusWeights = msgspec.field(default_factory=StatusWeights)
+    sections: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class FlushCacheBody(Struct, kw_only=True):
+    timeout: Annotated[float, Meta(ge=0.0)] | None = None  # seconds to wait for an idle engine
+
+
+class FlushCacheResponse(Struct, kw_only=True):
+    success: bool = True
+    entries_cleared: int | None = None
+    message: str | None = None
+    error: dict[str, Any] | None = None  # the error shape, when success is false
+
+
+class StrictFlushCacheResponse(FlushCacheResponse, kw_only=True, omit_defaults=True):
+    """What the server sends: `success` always, the rest only when set."""
+
+    success: bool
+
+
+class ErrorDetail(Struct, kw_only=True):
+    code: str = "internal_error"
+    message: str = ""
+    retryable: bool = False
+    status: int = 500
+
+
+class ErrorResponse(Struct, kw_only=True):
+    """Every error reply; the update routes add SGLang's top-level `success: false, message`."""
+
+    error: ErrorDetail = msgspec.field(default_factory=ErrorDetail)

@@ -1,0 +1,25 @@
+"""A route's parameters from its query and its JSON body: SGLang's clients send GET with a JSON
+body to some routes (/get_weights_by_name, the memory routes), others send the query."""
+
+from __future__ import annotations
+
+import json
+
+from litestar import Request
+
+from grctl.errors import ValidationError
+
+
+async def merged_params(request: Request) -> dict:
+    """Query parameters overlaid by a JSON body."""
+    params: dict = dict(request.query_params)
+    raw = await request.body()
+    if raw.strip():
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            raise ValidationError(f"body is not valid JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise ValidationError("body must be a JSON object")
+        params.update(body)
+    return params

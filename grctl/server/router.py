@@ -1,0 +1,96 @@
+"""`grctl serve --router-url`: the replica joins an sglang-router once its engine runs and leaves
+it before it drains (the registry's routes: protocol/router.py)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from anyio import to_thread
+from litestar import Litestar
+
+from grctl.config import ServeConfig
+from grctl.errors import RouterError
+from grctl.protocol import router
+
+log = logging.getLogger("grctl.server")
+
+
+def _call(method: str, router_url: str, path: str, **kw: Any) -> httpx.Response:
+    url = router_url.rstrip("/") + path
+    try:
+        return httpx.request(method, url, timeout=router.TIMEOUT_S, **kw)
+    except httpx.TimeoutException as exc:
+        raise RouterError(f"router {router_url} did not answer {method} {path}") from exc
+    except httpx.TransportError as exc:
+        raise RouterError(
+            f"cannot reach the router at {router_url}: {exc}",
+            hint="is sglang_router.launch_router running there?",
+        ) from exc
+
+
+def _check(resp: httpx.Response, what: str) -> httpx.Response:
+    if resp.status_code >= 400:
+        raise RouterError(f"router refused to {what}: HTTP {resp.status_code} {resp.text[:200]}")
+    return resp
+
+
+def add_worker(router_url: str, worker_url: str, api_key: str | None = None) -> None:
+    """Ask the router to take `worker_url` (it probes the worker in the background)."""
+    body: dict[str, Any] = {"url": worker_url}
+    if api_key:
+        body["api_key"] = api_key  # what the router sends to this worker
+    resp = _call("POST", router_url, router.WORKERS, json=body)
+    if resp.status_code == 404:
+        resp = _call("POST", router_url, router.OLD_ADD_WORKER, params={"url": worker_url})
+    _check(resp, f"add worker {worker_url}")
+
+
+def remove_worker(router_url: str, worker_url: str) -> bool:
+    """Take `worker_url` out of the router's list; False when it was not listed."""
+    resp = _call("GET", router_url, router.WORKERS)
+    if resp.status_code == 404:
+        resp = _call("POST", router_url, router.OLD_REMOVE_WORKER, params={"url": worker_url})
+        return _check(resp, f"remove worker {worker_url}").status_code < 300
+    ids = [
+        w.get("id")
+        for w in _check(resp, "list workers").json().get("workers", [])
+        if w.get("url") == worker_url
+    ]
+    for worker_id in ids:
+        _check(
+            _call("DELETE", router_url, f"{router.WORKERS}/{worker_id}"),
+            f"remove worker {worker_url}",
+        )
+    return bool(ids)
+
+
+def advertised_url(config: ServeConfig) -> str:
+    """The URL a router reaches this server at: a wildcard host is replaced by this host's name."""
+    if config.host in ("0.0.0.0", "::", ""):
+        return f"http://{socket.getfqdn()}:{config.port}"
+    return config.url
+
+
+@asynccontextmanager
+async def router_membership(app: Litestar) -> AsyncIterator[None]:
+    """With --router-url: join the sglang-router once the engine runs, leave before it drains."""
+    config = app.state.config
+    if not config.router_url:
+        yield
+        return
+    url = advertised_url(config)
+    await to_thread.run_sync(add_worker, config.router_url, url, config.api_key)
+    log.info("joined the router at %s as %s", config.router_url, url)
+    try:
+        yield
+    finally:
+        try:
+            await to_thread.run_sync(remove_worker, config.router_url, url)
+            log.info("left the router at %s", config.router_url)
+        except Exception as exc:  # the router may be gone first; shutting down goes on
+            log.warning("could not leave the router at %s: %s", config.router_url, exc)
