@@ -35,10 +35,10 @@ from grctl.server.metrics import Metrics, MetricsMiddleware
 from grctl.server.openapi import openapi_config, swagger_assets
 from grctl.server.router import router_membership
 from grctl.server.routes.catalog import catalog_routes
-from grctl.server.routes.distributed import distributed_router
 from grctl.server.routes.generate import generate_routes
 from grctl.server.routes.info import info_routes
 from grctl.server.routes.memory import memory_router
+from grctl.server.routes.updates import distributed_router
 from grctl.server.routes.weights import weight_router
 from grctl.server.wire import load_tokenizer
 from grctl.weights.checker import WeightsChecker

@@ -22,10 +22,10 @@ from grctl.client.calls import Call, request_body, status_of, text
 from grctl.client.routes import Routes
 from grctl.protocol import catalog, generate, info, weights
 from grctl.server.routes.catalog import catalog_routes
-from grctl.server.routes.distributed import distributed_router
 from grctl.server.routes.generate import generate_routes
 from grctl.server.routes.info import info_routes
 from grctl.server.routes.memory import memory_router
+from grctl.server.routes.updates import distributed_router
 from grctl.server.routes.weights import weight_router
 
 PROTOCOL = (catalog, generate, info, weights)
