@@ -38,7 +38,7 @@ from grctl.server.routes.catalog import catalog_routes
 from grctl.server.routes.generate import generate_routes
 from grctl.server.routes.info import info_routes
 from grctl.server.routes.memory import memory_router
-from grctl.server.routes.updates import distributed_router
+from grctl.server.routes.updates import update_router
 from grctl.server.routes.weights import weight_router
 from grctl.server.wire import load_tokenizer
 from grctl.weights.checker import WeightsChecker
@@ -93,7 +93,7 @@ def create_app(engine: Any, config: ServeConfig, tokenizer: Any | None = None) -
             *generate_routes,
             *info_routes,
             weight_router,
-            distributed_router,
+            update_router,
             memory_router,
             *catalog_routes,
             swagger_assets(),

@@ -25,7 +25,7 @@ from grctl.server.routes.catalog import catalog_routes
 from grctl.server.routes.generate import generate_routes
 from grctl.server.routes.info import info_routes
 from grctl.server.routes.memory import memory_router
-from grctl.server.routes.updates import distributed_router
+from grctl.server.routes.updates import update_router
 from grctl.server.routes.weights import weight_router
 
 PROTOCOL = (catalog, generate, info, weights)
@@ -102,7 +102,7 @@ def server_routes() -> list[tuple[str, re.Pattern, object]]:
             *generate_routes,
             *info_routes,
             weight_router,
-            distributed_router,
+            update_router,
             memory_router,
             *catalog_routes,
         ],

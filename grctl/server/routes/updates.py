@@ -1,27 +1,162 @@
-"""Weight broadcast routes (docs/http-api.md "Weight sync"): a trainer's process group, its updates.
+"""The routes that write weights (docs/http-api.md "Weight sync"), by transport: a checkpoint on
+disk, a pushed tensor chunk, a broadcast in a trainer's process group (and that group's join
+and leave). Off unless --allow-weight-update; their errors also hold SGLang's top-level
+`success: false` and `message`.
 
-Each blocking call (the group join waits for the trainer; an update waits for its broadcast) runs
-in a worker thread, so the event loop keeps serving while a trainer is slow or gone. The groups
-live in a GroupRegistry on app.state, made on first use.
+Each blocking call (a load; the group join waits for the trainer; an update waits for its
+broadcast) runs in a worker thread, so the event loop keeps serving while a trainer is slow or
+gone. Each update ends in the WeightUpdater (app.state.updater). The groups live in a
+GroupRegistry on app.state, made on first use.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from litestar import Router, post
 from litestar.datastructures import State
 
+from grctl.errors import Forbidden, ValidationError
 from grctl.protocol.weights import (
     DestroyGroupBody,
     InitGroupBody,
     SuccessResponse,
+    UpdateFromDiskBody,
     UpdateFromDistributedBody,
+    UpdateFromTensorBody,
+    UpdateWeightsResponse,
+    version_str,
 )
+from grctl.server import logs
 from grctl.server.exceptions import SGLANG_ERRORS
 from grctl.server.guards import require_weights, weight_update_guard
 from grctl.server.offload import offload
-from grctl.server.routes.weights import log_update, update_options
-from grctl.weights import distributed
+from grctl.weights import disk, distributed, tensor
 from grctl.weights.process_group import GroupRegistry, check_init_args
+
+
+def checked_model_path(state: State, body: UpdateFromDiskBody) -> str:
+    path = body.model_path or body.model_dir
+    if not path:
+        raise ValidationError("model_path is required (alias model_dir)")
+    if "\x00" in path:
+        raise ValidationError("model_path contains a NUL byte")
+    root = state.config.weights_root
+    if root is not None:
+        resolved, allowed = Path(path).resolve(), Path(root).resolve()
+        if resolved != allowed and allowed not in resolved.parents:
+            raise Forbidden(
+                f"model_path {path!r} resolves outside the weights root",
+                hint=f"updates from disk may only read under {str(allowed)!r} (--weights-root)",
+            )
+    return path
+
+
+@post(
+    "/update_weights_from_disk",
+    status_code=200,
+    summary="Load an HF checkpoint from disk into the live model, in place",
+)
+async def update_weights_from_disk(
+    state: State, data: UpdateFromDiskBody | None = None
+) -> UpdateWeightsResponse:
+    body = data or UpdateFromDiskBody()
+    require_weights(state)
+    path = checked_model_path(state, body)
+    if body.load_format not in (None, "auto", "safetensors", "pt"):
+        raise ValidationError(
+            f"load_format {body.load_format!r} is not supported from disk; omit it or use auto"
+        )
+    outcome = await offload(
+        state,
+        disk.update_from_disk,
+        state.updater,
+        path,
+        **update_options(body),
+    )
+    state.model_path = path
+    return update_response(
+        state, outcome, "Succeeded to update model weights from disk.", path, transport="disk"
+    )
+
+
+@post(
+    "/update_weights_from_tensor",
+    status_code=200,
+    summary="Apply one pushed chunk (SGLang wire format: CUDA IPC or shared memory)",
+)
+async def update_weights_from_tensor(
+    state: State, data: UpdateFromTensorBody | None = None
+) -> UpdateWeightsResponse:
+    body = data or UpdateFromTensorBody()
+    if body.serialized_named_tensors is None:
+        raise ValidationError("serialized_named_tensors is required")
+    refuse_custom_loader(body.load_format)
+    require_weights(state)
+    outcome = await offload(
+        state,
+        tensor.update_from_tensor,
+        state.updater,
+        body.serialized_named_tensors,
+        body.load_format,
+        **update_options(body),
+    )
+    return update_response(
+        state, outcome, "Succeeded to update model weights from tensor.", transport="tensor"
+    )
+
+
+def refuse_custom_loader(load_format: str | None) -> None:
+    """SGLang runs a load_format that is an import path as a weight loader; grctl runs no code
+    named by a request. verl's delta sync sends one (sparse positions and values)."""
+    if load_format is not None and "." in load_format:
+        raise ValidationError(
+            f"load_format {load_format!r} names a custom weight loader (verl's delta sync sends "
+            "one); grctl does not run loaders named in a request",
+            hint="send full tensors with load_format null, 'direct' or 'flattened_bucket'; "
+            "in verl, turn delta weight sync off",
+        )
+
+
+def update_options(body) -> dict:
+    """The options every update route shares, as WeightUpdater.run takes them."""
+    return {
+        "weight_version": version_str(body.weight_version),
+        "token_step": body.token_step,
+        "flush_cache": body.flush_cache,
+        "abort_all_requests": body.abort_all_requests,
+    }
+
+
+def update_response(
+    state: State, outcome, message: str, model_dir: str | None = None, *, transport: str
+):
+    versions = state.engine.versions
+    log_update(state, transport, outcome)
+    return UpdateWeightsResponse(
+        success=True,
+        message=message,
+        model_dir=model_dir,
+        tensors_loaded=outcome.tensors_loaded,
+        flushed_cache=outcome.flushed_cache,
+        num_aborted_requests=outcome.num_aborted_requests,
+        weight_version=versions.current,
+        token_step=versions.token_step,
+        elapsed_ms=outcome.elapsed_ms,
+    )
+
+
+def log_update(state: State, transport: str, outcome) -> None:
+    logs.event(
+        "weight_update",
+        transport=transport,
+        tensors=outcome.tensors_loaded,
+        bytes=outcome.num_bytes,
+        ms=outcome.elapsed_ms,
+        version=state.engine.weight_version,
+        aborted=outcome.num_aborted_requests,
+        flushed_cache=outcome.flushed_cache,
+    )
 
 
 def groups(state: State) -> GroupRegistry:
@@ -100,11 +235,13 @@ async def destroy_weights_update_group(
     return SuccessResponse(success=True, message=f"Destroyed group {body.group_name!r}.")
 
 
-distributed_router = Router(
+update_router = Router(
     path="/",
     guards=[weight_update_guard],
     opt=SGLANG_ERRORS,
     route_handlers=[
+        update_weights_from_disk,
+        update_weights_from_tensor,
         init_weights_update_group,
         update_weights_from_distributed,
         destroy_weights_update_group,

@@ -1,22 +1,22 @@
-"""Weight-sync routes (docs/http-api.md "Weight sync"), off unless --allow-weight-update.
+"""Weight-sync control routes (docs/http-api.md "Weight sync"), off unless --allow-weight-update:
+pause and continue, the version label, SGLang's update session, reading the weights back.
 
 Handlers stay thin: parse a Struct, call the engine or the WeightUpdater (app.state.updater) in a
 worker thread, return a Struct. The routes sit on one Router that carries the
---allow-weight-update guard; the update routes sit on a nested Router with opt sglang_errors=True,
-so their errors also hold top-level `success: false` and `message`, which SGLang-style clients
-read.
+--allow-weight-update guard; the session and /weights_checker sit on a nested Router with opt
+sglang_errors=True, so their errors also hold top-level `success: false` and `message`, which
+SGLang-style clients read. The routes that write weights are in routes/updates.py.
 """
 
 from __future__ import annotations
 
 from functools import partial
-from pathlib import Path
 
 import msgspec
 from litestar import Request, Router, get, post, route
 from litestar.datastructures import State
 
-from grctl.errors import Forbidden, ValidationError
+from grctl.errors import ValidationError
 from grctl.protocol.weights import (
     BeginWeightUpdateBody,
     ContinueResponse,
@@ -27,9 +27,6 @@ from grctl.protocol.weights import (
     StrictWeightsCheckerResponse,
     SuccessResponse,
     TensorChecksum,
-    UpdateFromDiskBody,
-    UpdateFromTensorBody,
-    UpdateWeightsResponse,
     UpdateWeightVersionBody,
     UpdateWeightVersionResponse,
     WeightsCheckerBody,
@@ -42,7 +39,7 @@ from grctl.server.exceptions import SGLANG_ERRORS
 from grctl.server.guards import require_weights, weight_update_guard
 from grctl.server.offload import offload
 from grctl.server.params import merged_params
-from grctl.weights import checker, disk, tensor
+from grctl.weights import checker
 from grctl.weights.views import read_rows
 
 
@@ -176,133 +173,8 @@ async def weights_checker(
     )
 
 
-def checked_model_path(state: State, body: UpdateFromDiskBody) -> str:
-    path = body.model_path or body.model_dir
-    if not path:
-        raise ValidationError("model_path is required (alias model_dir)")
-    if "\x00" in path:
-        raise ValidationError("model_path contains a NUL byte")
-    root = state.config.weights_root
-    if root is not None:
-        resolved, allowed = Path(path).resolve(), Path(root).resolve()
-        if resolved != allowed and allowed not in resolved.parents:
-            raise Forbidden(
-                f"model_path {path!r} resolves outside the weights root",
-                hint=f"updates from disk may only read under {str(allowed)!r} (--weights-root)",
-            )
-    return path
-
-
-@post(
-    "/update_weights_from_disk",
-    status_code=200,
-    summary="Load an HF checkpoint from disk into the live model, in place",
-)
-async def update_weights_from_disk(
-    state: State, data: UpdateFromDiskBody | None = None
-) -> UpdateWeightsResponse:
-    body = data or UpdateFromDiskBody()
-    require_weights(state)
-    path = checked_model_path(state, body)
-    if body.load_format not in (None, "auto", "safetensors", "pt"):
-        raise ValidationError(
-            f"load_format {body.load_format!r} is not supported from disk; omit it or use auto"
-        )
-    outcome = await offload(
-        state,
-        disk.update_from_disk,
-        state.updater,
-        path,
-        **update_options(body),
-    )
-    state.model_path = path
-    return update_response(
-        state, outcome, "Succeeded to update model weights from disk.", path, transport="disk"
-    )
-
-
-@post(
-    "/update_weights_from_tensor",
-    status_code=200,
-    summary="Apply one pushed chunk (SGLang wire format: CUDA IPC or shared memory)",
-)
-async def update_weights_from_tensor(
-    state: State, data: UpdateFromTensorBody | None = None
-) -> UpdateWeightsResponse:
-    body = data or UpdateFromTensorBody()
-    if body.serialized_named_tensors is None:
-        raise ValidationError("serialized_named_tensors is required")
-    refuse_custom_loader(body.load_format)
-    require_weights(state)
-    outcome = await offload(
-        state,
-        tensor.update_from_tensor,
-        state.updater,
-        body.serialized_named_tensors,
-        body.load_format,
-        **update_options(body),
-    )
-    return update_response(
-        state, outcome, "Succeeded to update model weights from tensor.", transport="tensor"
-    )
-
-
-def refuse_custom_loader(load_format: str | None) -> None:
-    """SGLang runs a load_format that is an import path as a weight loader; grctl runs no code
-    named by a request. verl's delta sync sends one (sparse positions and values)."""
-    if load_format is not None and "." in load_format:
-        raise ValidationError(
-            f"load_format {load_format!r} names a custom weight loader (verl's delta sync sends "
-            "one); grctl does not run loaders named in a request",
-            hint="send full tensors with load_format null, 'direct' or 'flattened_bucket'; "
-            "in verl, turn delta weight sync off",
-        )
-
-
-def update_options(body) -> dict:
-    """The options every update route shares, as WeightUpdater.run takes them."""
-    return {
-        "weight_version": version_str(body.weight_version),
-        "token_step": body.token_step,
-        "flush_cache": body.flush_cache,
-        "abort_all_requests": body.abort_all_requests,
-    }
-
-
-def update_response(
-    state: State, outcome, message: str, model_dir: str | None = None, *, transport: str
-):
-    versions = state.engine.versions
-    log_update(state, transport, outcome)
-    return UpdateWeightsResponse(
-        success=True,
-        message=message,
-        model_dir=model_dir,
-        tensors_loaded=outcome.tensors_loaded,
-        flushed_cache=outcome.flushed_cache,
-        num_aborted_requests=outcome.num_aborted_requests,
-        weight_version=versions.current,
-        token_step=versions.token_step,
-        elapsed_ms=outcome.elapsed_ms,
-    )
-
-
-def log_update(state: State, transport: str, outcome) -> None:
-    logs.event(
-        "weight_update",
-        transport=transport,
-        tensors=outcome.tensors_loaded,
-        bytes=outcome.num_bytes,
-        ms=outcome.elapsed_ms,
-        version=state.engine.weight_version,
-        aborted=outcome.num_aborted_requests,
-        flushed_cache=outcome.flushed_cache,
-    )
-
-
-# Every route here needs --allow-weight-update; those that write weights, the update session and
-# /weights_checker (a failed compare, as SGLang's) also answer errors with SGLang's top-level
-# success/message.
+# Every route here needs --allow-weight-update; the update session and /weights_checker (a failed
+# compare, as SGLang's) also answer errors with SGLang's top-level success/message.
 weight_router = Router(
     path="/",
     guards=[weight_update_guard],
@@ -316,8 +188,6 @@ weight_router = Router(
             path="/",
             opt=SGLANG_ERRORS,
             route_handlers=[
-                update_weights_from_disk,
-                update_weights_from_tensor,
                 begin_weight_update,
                 end_weight_update,
                 weights_checker,
