@@ -11,11 +11,11 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 from grctl.engine import memory
-from grctl.engine.core import EngineCore
 from grctl.engine.kv_cache import request_kv_bytes
 from grctl.engine.request import GenerateRequest, GenerateResult
 from grctl.engine.sequence import Sequence
 from grctl.engine.validation import stop_ids_of, validate_request
+from grctl.engine.worker import EngineCore
 from grctl.errors import (
     Conflict,
     DuplicateRequestId,
