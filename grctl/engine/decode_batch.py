@@ -13,15 +13,26 @@ BeamKV.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from grctl.engine.kv_cache import BeamKV, ContextKV
 from grctl.model import attention
 
 if TYPE_CHECKING:
-    from grctl.engine.model_runner import DecodeItem
     from grctl.model.config import ModelConfig
+
+
+@dataclass
+class DecodeItem:
+    """One request's share of a decode batch: feed `input_ids` [n] at beam KV slot `step`."""
+
+    ctx: ContextKV
+    beam_kv: BeamKV
+    input_ids: torch.Tensor
+    step: int
 
 
 class DecodeBatch:

@@ -9,25 +9,13 @@ attention is a fixed number of calls per layer whatever the number of requests (
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from grctl.engine.decode_batch import DecodeBatch
-from grctl.engine.kv_cache import BeamKV, ContextKV
+from grctl.engine.decode_batch import DecodeBatch, DecodeItem
+from grctl.engine.kv_cache import ContextKV
 from grctl.model.attention import prefill_attention
 from grctl.model.qwen3 import Qwen3ForCausalLM
 from grctl.model.rope import rope_cos_sin
-
-
-@dataclass
-class DecodeItem:
-    """One request's share of a decode batch: feed `input_ids` [n] at beam KV slot `step`."""
-
-    ctx: ContextKV
-    beam_kv: BeamKV
-    input_ids: torch.Tensor
-    step: int
 
 
 class ModelRunner:

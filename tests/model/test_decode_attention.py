@@ -6,10 +6,9 @@ from __future__ import annotations
 import torch
 
 from grctl.engine.config import EngineConfig
-from grctl.engine.decode_batch import DecodeBatch
+from grctl.engine.decode_batch import DecodeBatch, DecodeItem
 from grctl.engine.engine import Engine
 from grctl.engine.kv_cache import BeamKV, ContextKV
-from grctl.engine.model_runner import DecodeItem
 from grctl.engine.request import GenerateRequest, SamplingParams
 from grctl.model import attention
 from grctl.model.config import ModelConfig

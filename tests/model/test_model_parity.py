@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from grctl.engine.decode_batch import DecodeItem
 from grctl.engine.kv_cache import BeamKV
-from grctl.engine.model_runner import DecodeItem, ModelRunner
+from grctl.engine.model_runner import ModelRunner
 from tests.support.reference import hf_and_ours
 
 TOL = 1e-4

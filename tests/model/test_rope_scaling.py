@@ -12,8 +12,9 @@ import pytest
 import torch
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
+from grctl.engine.decode_batch import DecodeItem
 from grctl.engine.kv_cache import BeamKV
-from grctl.engine.model_runner import DecodeItem, ModelRunner
+from grctl.engine.model_runner import ModelRunner
 from grctl.errors import ValidationError
 from grctl.model.config import ModelConfig
 from grctl.model.qwen3 import Qwen3ForCausalLM
