@@ -1,53 +1,141 @@
-"""Engine: the generation API the server calls, over a background worker doing continuous batching.
+"""Engine: the generation API the server calls, composed of its parts.
 
 Requests are submitted, polled, fetched and cancelled here; pause, the exclusive section of a
-weight update and the cache flush are decided here, each under the core's one lock (core.py).
+weight write, the weights' state the weights side reports, the cache flush and memory moves
+are decided here, each holding the Gate (gate.py). The Worker (worker.py) runs the steps.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
-from grctl.engine import memory
-from grctl.engine.kv_cache import request_kv_bytes
+import torch
+
+from grctl.engine.executor import Executor
+from grctl.engine.gate import Gate
+from grctl.engine.kv_cache import kv_bytes_budget, request_kv_bytes
+from grctl.engine.memory import MemorySaver
+from grctl.engine.model_runner import ModelRunner
+from grctl.engine.prefill_cache import PrefillCache
 from grctl.engine.request import GenerateRequest, GenerateResult
+from grctl.engine.results import ResultStore
+from grctl.engine.scheduler import Scheduler
 from grctl.engine.sequence import Sequence
+from grctl.engine.stats import EngineStats
 from grctl.engine.validation import stop_ids_of, validate_request
-from grctl.engine.worker import EngineCore
+from grctl.engine.worker import Worker
 from grctl.errors import (
     Conflict,
     DuplicateRequestId,
     GenerateTimeout,
-    GrctlError,
     NotFound,
-    NotReady,
     Overloaded,
-    Paused,
-    PauseTimeout,
     ValidationError,
-    WeightsInconsistent,
     WeightsMixed,
-    WeightsMixedConflict,
 )
+from grctl.model.dtypes import name_of
+from grctl.model.qwen3 import Qwen3ForCausalLM
+
+if TYPE_CHECKING:
+    from grctl.catalog.store import CatalogStore
+    from grctl.engine.config import EngineConfig
+
+log = logging.getLogger("grctl.engine")
 
 PAUSE_MODES = ("abort", "retract", "in_place")
-_RETRY_ELSEWHERE = "retry on another server"
-_WORKER_DEAD = "the engine's worker thread has stopped; no request would run"
-_RESTART = "restart the server (its log says why the worker ended)"
-_RETRY_RESUMED = "retry after /continue_generation"
-_INCONSISTENT = "a weight update failed part-way; generation is refused"
-_PUSH_ALL = "push a complete weight update"
 
 
-def mode_done(mode: str) -> str:
-    return {"abort": "aborted", "retract": "retracted"}.get(mode, "frozen")
+class Engine:
+    """The API the server calls. `run_step()` advances one step by hand when no worker is
+    started, which tests use to reach every state deterministically."""
 
+    def __init__(self, model: Qwen3ForCausalLM, config: EngineConfig):
+        # device "auto": wherever the model already is
+        self.device = model.embed_tokens.weight.device
+        if config.device != "auto":
+            self.device = torch.device(config.device)
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda" -> "cuda:N"
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if model.embed_tokens.weight.device != self.device:
+            model.to(self.device)  # at construction only: later, weights are written in place
+        self.model = model.eval()
+        self.config = config
+        self.gate = Gate(config.weight_version, allow_mixed=config.allow_partial_updates)
+        self.cache = PrefillCache(
+            config.enable_prefill_cache,
+            config.prefill_cache_max_entries,
+            config.prefill_cache_max_tokens,
+            config.prefill_cache_max_bytes,
+        )
+        self.runner = ModelRunner(model, self.device)
+        self.executor = Executor(self.runner, self.cache)
+        self.scheduler = Scheduler(
+            config.max_running_requests,
+            config.prefill_token_budget,
+            kv_bytes_budget(config, self.device),
+            self.kv_bytes_of,
+        )
+        self.results = ResultStore(config.max_finished_results)
+        self.stats = EngineStats()
+        self.catalogs: CatalogStore | None = None  # requests are held to its current catalog
+        self.memory = MemorySaver(
+            self.gate,
+            model,
+            self.runner,
+            self.cache,
+            self.device,
+            recapture=config.cuda_graph,
+            on_error=self.stats.record_error,
+        )
+        self.worker = Worker(
+            self.gate, self.scheduler, self.executor, self.results, self.stats, self.device
+        )
 
-class Engine(EngineCore):
-    """The API the server calls. `run_step()` (from the core) advances one step by hand when no
-    worker is started, which tests use to reach every state deterministically."""
+    # ---- lifecycle ----------------------------------------------------------------------
+    def start(self) -> None:
+        if self.is_worker_alive:
+            return
+        if self.config.cuda_graph and self.device.type == "cuda" and self.runner.graphs is None:
+            try:
+                self.runner.capture_graphs()
+            except Exception as exc:  # serve eagerly rather than not at all
+                log.exception("CUDA graph capture failed; decode runs eagerly")
+                self.stats.record_error(exc)
+        self.worker.start()
+
+    def stop(self, drain: bool = True, timeout: float = 30.0) -> None:
+        self.worker.stop(drain, timeout)
+
+    def run_step(self) -> bool:
+        return self.worker.run_step()
+
+    @property
+    def is_worker_alive(self) -> bool:
+        return self.gate.worker_alive
+
+    @property
+    def is_paused(self) -> bool:
+        return self.gate.is_paused
+
+    @property
+    def pause_mode(self) -> str | None:
+        return self.gate.pause_mode
+
+    @property
+    def weight_version(self) -> str:
+        return self.gate.label
+
+    @property
+    def is_weights_mixed(self) -> bool:
+        return self.gate.is_mixed
+
+    @property
+    def is_weights_consistent(self) -> bool:
+        return self.gate.is_consistent
 
     # ---- requests -----------------------------------------------------------------------
     def submit(self, req: GenerateRequest) -> str:
@@ -59,13 +147,13 @@ class Engine(EngineCore):
             max_beam_width=cfg.max_beam_width,
             max_new_tokens_limit=cfg.max_new_tokens,
         )
-        self._check_kv_fits(req)
-        with self._cond:
-            refusals = self._refusals_locked()
+        self.scheduler.check_fits(req)
+        with self.gate:
+            refusals = self.gate.refusals()
             if refusals:
                 raise refusals[0][1]()
             rid = req.request_id or self.stats.new_request_id()
-            if rid in self._seqs or rid in self.results:
+            if rid in self.scheduler or rid in self.results:
                 raise DuplicateRequestId(f"request id {rid!r} is already in use")
             if len(self.scheduler.waiting) >= cfg.max_waiting_requests:
                 raise Overloaded(
@@ -74,68 +162,34 @@ class Engine(EngineCore):
                 )
             store = self.catalogs
             catalog = store.current if store is not None and req.sampling.use_catalog else None
-            seq = Sequence(rid, req, stop_ids_of(req, self.model.config), catalog)
-            self._seqs[rid] = seq
-            self.scheduler.add(seq)
+            self.scheduler.add(Sequence(rid, req, stop_ids_of(req, self.model.config), catalog))
             self.stats.num_submitted += 1
-            self._cond.notify_all()
+            self.gate.notify()
         return rid
 
-    def _refusals_locked(self) -> list[tuple[str, Callable[[], GrctlError]]]:
-        """Why generation is refused now, the most decisive first: (the /ready reason, a maker
-        of the error submit raises). One list, so /ready and submit never disagree."""
-        out: list[tuple[str, Callable[[], GrctlError]]] = []
-        if self._stopping:
-            out.append(
-                ("stopping", lambda: NotReady("the engine is stopping", hint=_RETRY_ELSEWHERE))
-            )
-        if self._thread is not None and not self._thread.is_alive():  # started, then died
-            out.append(("worker_not_running", lambda: NotReady(_WORKER_DEAD, hint=_RESTART)))
-        if self.is_weights_mixed:  # before paused: resuming will not help until it clears
-            out.append(("weights_mixed", self.mixed_error))
-        if self.is_paused:
-            out.append(("paused", lambda: Paused("generation is paused", hint=_RETRY_RESUMED)))
-        if self.memory.released:
-            out.append(("memory_released", lambda: self.memory.error("generation is refused")))
-        if not self._weights_consistent:
-            out.append(
-                ("weights_inconsistent", lambda: WeightsInconsistent(_INCONSISTENT, hint=_PUSH_ALL))
-            )
-        return out
-
-    def _check_kv_fits(self, req: GenerateRequest) -> None:
-        """A request whose KV alone exceeds the budget could never be admitted: refuse it now."""
-        if self.kv_bytes_budget is None:
-            return
-        sp = req.sampling
-        itemsize = self.model.embed_tokens.weight.element_size()
-        need = request_kv_bytes(
+    def kv_bytes_of(self, req: GenerateRequest) -> int:
+        """The KV a request holds while it runs (admission by --max-kv-bytes)."""
+        sp, itemsize = req.sampling, self.model.embed_tokens.weight.element_size()
+        return request_kv_bytes(
             self.model.config, itemsize, len(req.input_ids), sp.n, sp.max_new_tokens
         )
-        if need > self.kv_bytes_budget:
-            raise ValidationError(
-                f"the request needs {need} bytes of KV ({len(req.input_ids)} prompt tokens, "
-                f"{sp.n} beams), more than the server's KV budget of {self.kv_bytes_budget}",
-                hint="shorten the prompt or the beam width, or start the server with a larger "
-                "--max-kv-bytes",
-            )
 
     def poll(self, request_id: str) -> GenerateResult | None:
-        with self._cond:
+        with self.gate:
             result = self.results.peek(request_id)
-            if result is None and request_id not in self._seqs:
+            if result is None and request_id not in self.scheduler:
                 raise NotFound(f"no request {request_id!r}", hint="results are kept until fetched")
             return result
 
     def result(self, request_id: str, timeout: float | None = None) -> GenerateResult:
-        with self._cond:
-            self._cond.wait_for(
-                lambda: request_id in self.results or request_id not in self._seqs, timeout
+        with self.gate:
+            self.gate.wait_for(
+                lambda: request_id in self.results or request_id not in self.scheduler, timeout
             )
             result = self.results.pop(request_id)
             if result is not None:
                 return result
-            if request_id in self._seqs:
+            if request_id in self.scheduler:
                 raise GenerateTimeout(f"request {request_id!r} did not finish in {timeout}s")
             raise NotFound(f"no request {request_id!r}", hint="results are kept until fetched")
 
@@ -164,32 +218,28 @@ class Engine(EngineCore):
 
     def discard(self, request_ids: list[str]) -> None:
         """Cancel requests and drop their results, as if they had never been submitted."""
-        with self._cond:
+        with self.gate:
             for rid in request_ids:
-                self._cancel_locked(rid)
-            self._cond.wait_for(lambda: not any(r in self._seqs for r in request_ids), 5.0)
+                self.cancel(rid)
+            self.gate.wait_for(lambda: not any(r in self.scheduler for r in request_ids), 5.0)
             for rid in request_ids:
                 self.results.pop(rid)
 
     def cancel(self, request_id: str) -> bool:
-        with self._cond:
-            return self._cancel_locked(request_id)
-
-    def _cancel_locked(self, request_id: str) -> bool:
-        seq = self._seqs.get(request_id)
-        if seq is None:
-            return False
-        self._abort_locked(seq)
-        self._cond.notify_all()
-        return True
+        with self.gate:
+            seq = self.scheduler.get(request_id)
+            if seq is None:
+                return False
+            self.worker.abort(seq)
+            return True
 
     def abort_all(self) -> int:
-        with self._cond:
-            return self._abort_all_locked()
+        with self.gate:
+            return self.worker.abort_all()
 
     def num_in_flight(self) -> int:
-        with self._cond:
-            return len(self._seqs)
+        with self.gate:
+            return self.scheduler.num_in_flight
 
     # ---- pause, weights, cache ----------------------------------------------------------
     def pause(self, mode: str = "abort") -> int:
@@ -197,134 +247,124 @@ class Engine(EngineCore):
         running requests' KV and queue them again from their prompt; in_place: freeze them."""
         if mode not in PAUSE_MODES:
             raise ValidationError(f"pause mode must be one of {', '.join(PAUSE_MODES)}")
-        timeout = self.config.pause_timeout_s
-        with self._cond:
-            self.pause_mode = mode  # from here no new step starts
-            if not self._cond.wait_for(lambda: not self._computing, timeout):
-                raise PauseTimeout(
-                    f"paused, but the running step did not end within {timeout:g} s, so its "
-                    f"requests are not {mode_done(mode)} yet",
-                    hint="retry /pause_generation; if it keeps failing the engine is stuck: "
-                    "restart the server",
-                )
+        with self.gate:
+            self.gate.pause(mode, self.config.pause_timeout_s)
             if mode == "abort":
-                return self._abort_all_locked()
+                return self.worker.abort_all()
             if mode == "retract":
                 self.scheduler.retract_running()
             return 0
 
     def resume(self) -> None:
         """Leave the pause; refused (409, still paused) while the weights are mixed."""
-        with self._cond:
-            if self.is_weights_mixed:
-                raise self.mixed_error(WeightsMixedConflict)
-            self.pause_mode = None
-            self._cond.notify_all()
+        self.gate.resume()
 
     def mixed_error(self, cls: type[WeightsMixed] = WeightsMixed) -> WeightsMixed:
-        return cls(
-            f"the weights are mixed (a weight sync stopped part-way): "
-            f"{self.versions.describe_mix()}",
-            hint="send the rest of the update (or push the whole checkpoint again), or relabel "
-            "with /update_weight_version if the mix is intended",
-        )
+        return self.gate.mixed_error(cls)
+
+    def require_weights(self, what: str) -> None:
+        """MemoryReleased (503) while /release_memory_occupation holds the weights on the host."""
+        with self.gate:
+            if "weights" in self.gate.released:
+                raise self.gate.memory_error(what)
 
     @contextmanager
     def exclusive(self, abort_all_requests: bool = False) -> Iterator[int]:
         """No model step runs inside (submits still queue). Yields the number aborted."""
-        with self._cond:
-            if self._seqs and not self.is_paused and not abort_all_requests:
+        with self.gate:
+            if self.scheduler.num_in_flight and not self.is_paused and not abort_all_requests:
                 raise Conflict(
                     "requests are in flight",
                     hint="call /pause_generation first (mode=abort) "
                     "or pass abort_all_requests=true",
                 )
-            if self.memory.is_released("weights"):
-                raise self.memory.error("the weights cannot be written")
-            self._exclusive += 1
-            self._cond.wait_for(lambda: not self._computing)
-            num_aborted = self._abort_all_locked() if abort_all_requests else 0
+            self.require_weights("the weights cannot be written")
+            self.gate.enter_exclusive()
+            num_aborted = self.worker.abort_all() if abort_all_requests else 0
         try:
             yield num_aborted
         finally:
-            with self._cond:
-                self._exclusive -= 1
-                self._cond.notify_all()
+            self.gate.leave_exclusive()
 
-    def set_weights_state(self, consistent: bool = True) -> None:
-        """After a weight write that moves no label (a failed copy, a reset)."""
-        with self._cond:
-            self._weights_written_locked(consistent)
+    def weights_written(self, label: str | None, mix: str | None, consistent: bool = True) -> None:
+        """The weights side wrote the weights, inside `exclusive()`. From now on steps record
+        `label` (None: keep the current one); `mix` describes the weights' labels while they
+        differ (None: one label); `consistent` is false after a copy that failed part-way. The
+        prefill cache's entries go at once: none of them was computed with these weights."""
+        with self.gate:
+            self.gate.weights_written(label, mix, consistent)
+            self.cache.drop_entries()
 
-    def record_weights(self, names: Iterable[str], label: str | None, **kw) -> None:
-        """After a successful weight write: the written tensors' labels (WeightVersions.record)
-        and the weights' state move together, under the lock a step reads them under."""
-        with self._cond:
-            self.versions.record(names, label, **kw)
-            self._weights_written_locked(consistent=True)
-
-    def _weights_written_locked(self, consistent: bool) -> None:
-        self.weights_generation += 1  # the weights were written: no cached KV is current
-        self.cache.drop_entries()  # so drop it now, not entry by entry on lookup
-        self._weights_consistent = consistent
-        self._cond.notify_all()
-
-    def relabel_weights(self, label: str, abort_all_requests: bool = False) -> int:
-        """Every tensor takes `label`; running requests go on (they report both versions)
-        unless `abort_all_requests`. Returns the number aborted."""
-        with self._cond:
-            num_aborted = self._abort_all_locked() if abort_all_requests else 0
-            self.versions.relabel(label)
-            self._cond.notify_all()
+    def relabel(self, label: str, mix: str | None, abort_all_requests: bool = False) -> int:
+        """The weights side relabelled the weights (no write). Running requests go on and report
+        both labels, unless `abort_all_requests`. Returns the number aborted."""
+        with self.gate:
+            num_aborted = self.worker.abort_all() if abort_all_requests else 0
+            self.gate.relabel(label, mix)
             return num_aborted
 
     def flush_cache(self, timeout: float = 0.0) -> tuple[bool, int]:
         """Clear the prefill cache if no request holds KV or is computing (waits up to timeout)."""
-        with self._cond:
-            idle = self._cond.wait_for(
-                lambda: not self._computing and not self.scheduler.running, timeout
+        with self.gate:
+            idle = self.gate.wait_for(
+                lambda: not self.gate.is_computing and not self.scheduler.running, timeout
             )
             return (True, self.cache.clear()) if idle else (False, 0)
-
-    # ---- memory (verl's colocated rollout) ----------------------------------------------
-    def release_memory(self, tags: list[str] | None = None) -> list[str]:
-        """Free device memory by tag (memory.py); generation is refused until all are back."""
-        return self._move_memory(self.memory.release, tags, needs_idle=True)
-
-    def resume_memory(self, tags: list[str] | None = None) -> list[str]:
-        return self._move_memory(self.memory.resume, tags, needs_idle=False)
-
-    def _move_memory(self, move, tags: list[str] | None, needs_idle: bool) -> list[str]:
-        tags = memory.check_tags(tags)
-        with self._memory_lock:  # one release or resume at a time
-            with self._cond:
-                if needs_idle and (self._seqs or self._exclusive):
-                    raise Conflict(
-                        "requests are in flight or a weight update runs; memory stays occupied",
-                        hint="wait for them, or POST /pause_generation (mode abort) first",
-                    )
-                self._exclusive += 1  # no step and no update starts while memory moves
-            try:
-                move(self, tags)
-            finally:
-                with self._cond:
-                    self._exclusive -= 1
-                    self._cond.notify_all()
-            return sorted(self.memory.released)
 
     def clear_prefill_cache(self) -> int:
         return self.cache.clear()
 
+    # ---- memory (verl's colocated rollout) ----------------------------------------------
+    def release_memory(self, tags: list[str] | None = None) -> list[str]:
+        """Free device memory by tag (memory.py); generation is refused until all are back."""
+        return self.memory.release(tags, is_busy=lambda: self.scheduler.num_in_flight > 0)
+
+    def resume_memory(self, tags: list[str] | None = None) -> list[str]:
+        return self.memory.resume(tags)
+
     # ---- introspection ------------------------------------------------------------------
     def ready_reasons(self) -> list[str]:
-        with self._cond:
-            reasons = [reason for reason, _ in self._refusals_locked()]
-            if self._thread is None:  # never started (a died worker is among the refusals)
+        with self.gate:
+            reasons = [reason for reason, _ in self.gate.refusals()]
+            if not self.gate.worker_started:  # a died worker is among the refusals
                 reasons.append("worker_not_running")
             if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
                 reasons.append("waiting_queue_full")
             return reasons
 
     def status(self) -> dict:
-        with self._cond:
-            return self.stats.status(self)
+        """/status, less "weights" and "catalog" (their owners report them)."""
+        cfg, gate, stats = self.config, self.gate, self.stats
+        with gate:
+            graphs = self.runner.graphs
+            return {
+                "scheduler": {
+                    **self.scheduler.stats(),
+                    "finished": stats.num_finished,
+                    "retained_results": len(self.results),
+                    "evicted_results": self.results.num_evicted,
+                    "paused": gate.is_paused,
+                    "pause_mode": gate.pause_mode,
+                    "steps": stats.num_steps,
+                    **self.executor.stats(),
+                    "avg_step_ms": stats.avg_step_ms,
+                    "last_step_ms": stats.last_step_ms,
+                    "max_running_requests": cfg.max_running_requests,
+                    "max_waiting_requests": cfg.max_waiting_requests,
+                    "prefill_token_budget": cfg.prefill_token_budget,
+                },
+                "requests": stats.requests(),
+                "prefill_cache": self.cache.stats(),
+                "engine": {
+                    "device": str(self.device),
+                    "dtype": name_of(self.runner.dtype),
+                    "worker_alive": gate.worker_alive,
+                    "weight_version": gate.label,
+                    "weights_consistent": gate.is_consistent,
+                    "cuda_graph": graphs.stats() if graphs is not None else {"enabled": False},
+                    "memory": self.memory.stats(),
+                    "errors": stats.num_errors,
+                    "last_error": stats.last_error,
+                    "uptime_s": time.time() - stats.started_at,
+                },
+            }

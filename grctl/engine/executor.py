@@ -30,6 +30,14 @@ class Executor:
         self.num_decode_steps = 0
         self.num_decode_rows = 0
 
+    def stats(self) -> dict:
+        return {
+            "prefill_batches": self.num_prefill_batches,
+            "prefill_tokens": self.num_prefill_tokens,
+            "decode_steps": self.num_decode_steps,
+            "decode_rows": self.num_decode_rows,
+        }
+
     def run(
         self, prefill: list[Sequence], decode: list[Sequence], version: str, cache_tag: str = ""
     ) -> None:

@@ -3,13 +3,18 @@
 A request's prompt is prefilled once; its KV (`ContextKV`) is read by every beam and never
 written again, so it is also what the prefill cache keeps. Each beam owns only the KV of the
 tokens it decoded (`BeamKV`), a few steps long; reordering beams gathers that small tail only.
+Also: the KV bytes a request holds and the budget admission holds them to (--max-kv-bytes).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from grctl.engine.config import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,17 @@ def request_kv_bytes(cfg, itemsize: int, prompt_len: int, num_beams: int, max_ne
     """KV a request holds while it runs: its context plus its beams' tails (cfg: ModelConfig)."""
     per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
     return per_token * (prompt_len + num_beams * max(max_new - 1, 1))
+
+
+def kv_bytes_budget(config: EngineConfig, device: torch.device) -> int | None:
+    """--max-kv-bytes, else a share of the GPU memory free now (the weights are loaded); None
+    (no limit) on the CPU."""
+    if config.max_kv_bytes:
+        return config.max_kv_bytes
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * config.kv_memory_fraction)
+    return None
 
 
 class BeamKV:

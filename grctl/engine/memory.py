@@ -9,19 +9,27 @@ Tags, as SGLang names them (none = all three):
   cuda_graph  the captured decode graphs and their static buffers
 Freed device memory goes back to the driver (torch.cuda.empty_cache). Graphs hold the weights'
 device addresses, so releasing weights drops them too; they are captured again, with the same
-buckets, once nothing is released any more. The engine (engine.py) runs these under its lock
-protocol; this class only moves memory and keeps the record.
+buckets, once nothing is released any more. Memory moves inside an exclusive section of the
+Gate, which keeps the record of what is released; MemorySaver moves what it was given.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 
-from grctl.errors import MemoryReleased, ValidationError
+from grctl.errors import Conflict, ValidationError
 from grctl.model.device import bind_thread
+
+if TYPE_CHECKING:
+    from grctl.engine.gate import Gate
+    from grctl.engine.model_runner import ModelRunner
+    from grctl.engine.prefill_cache import PrefillCache
 
 log = logging.getLogger("grctl.engine")
 
@@ -47,35 +55,84 @@ def empty_device_cache(device: torch.device) -> None:
 
 
 class MemorySaver:
-    def __init__(self) -> None:
-        self.released: set[str] = set()
+    def __init__(
+        self,
+        gate: Gate,
+        model: torch.nn.Module,
+        runner: ModelRunner,
+        cache: PrefillCache,
+        device: torch.device,
+        *,
+        recapture: bool,
+        on_error: Callable[[BaseException], None],
+    ):
+        self.gate = gate  # the section memory moves in, and the record of what is released
+        self.model = model
+        self.runner = runner  # its CUDA graphs go and come back
+        self.cache = cache
+        self.device = device
+        self.is_recapture_on = recapture  # --cuda-graph
+        self.on_error = on_error  # a failed re-capture is served eagerly, and counted here
+        self._lock = threading.Lock()  # one release or resume at a time
         self._backups: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         self._recapture: Callable | None = None  # DecodeGraphs' factory while graphs are gone
 
-    def is_released(self, tag: str | None = None) -> bool:
-        return bool(self.released) if tag is None else tag in self.released
+    @property
+    def released(self) -> frozenset[str]:
+        return self.gate.released
 
-    # ---- release ------------------------------------------------------------------------
-    def release(self, engine, tags: tuple[str, ...]) -> None:
-        bind_thread(engine.device)  # a handler thread: copies and frees on the model's device
-        todo = [t for t in tags if t not in self.released]
+    def release(self, tags: Iterable[str] | None, is_busy: Callable[[], bool]) -> list[str]:
+        """Free the memory of `tags`; refused while `is_busy()` (read holding the gate) or a
+        weight update runs. Returns every tag released now."""
+        tags = check_tags(tags)
+        with self._section(is_busy):
+            todo = [t for t in tags if t not in self.gate.released]
+            self._free(todo)
+            self.gate.set_released(self.gate.released.union(todo))
+            return sorted(self.gate.released)
+
+    def resume(self, tags: Iterable[str] | None) -> list[str]:
+        tags = check_tags(tags)
+        with self._section():
+            todo = [t for t in tags if t in self.gate.released]
+            if "weights" in todo:
+                self._restore_weights()
+            self.gate.set_released(self.gate.released.difference(todo))
+            if not self.gate.released and self._recapture is not None and self.is_recapture_on:
+                self._recapture_graphs()
+            return sorted(self.gate.released)
+
+    @contextmanager
+    def _section(self, is_busy: Callable[[], bool] | None = None) -> Iterator[None]:
+        """One move at a time, inside an exclusive section: no step and no update starts."""
+        with self._lock:
+            with self.gate:
+                if is_busy is not None and (is_busy() or self.gate.num_exclusive):
+                    raise Conflict(
+                        "requests are in flight or a weight update runs; memory stays occupied",
+                        hint="wait for them, or POST /pause_generation (mode abort) first",
+                    )
+                self.gate.enter_exclusive()
+            try:
+                bind_thread(self.device)  # a handler thread: copies and frees on the device
+                yield
+            finally:
+                self.gate.leave_exclusive()
+
+    def _free(self, todo: list[str]) -> None:
         if "cuda_graph" in todo or "weights" in todo:
-            self._drop_graphs(engine.runner)
+            if self.runner.graphs is not None:
+                self._recapture = self.runner.graphs.factory()
+                self.runner.graphs = None
         if "kv_cache" in todo:
-            engine.cache.clear()
+            self.cache.clear()
         if "weights" in todo:
-            self._offload_weights(engine.model)
-        self.released.update(todo)
-        empty_device_cache(engine.device)
+            self._offload_weights()
+        empty_device_cache(self.device)
 
-    def _drop_graphs(self, runner) -> None:
-        if runner.graphs is not None:
-            self._recapture = runner.graphs.factory()
-            runner.graphs = None
-
-    def _offload_weights(self, model: torch.nn.Module) -> None:
+    def _offload_weights(self) -> None:
         backups = []
-        for p in model.parameters():  # a tied weight is one Parameter: one backup
+        for p in self.model.parameters():  # a tied weight is one Parameter: one backup
             if p.device.type == "cpu":  # already in host memory: keep it, copy nothing
                 backup = p.detach()
             else:
@@ -87,35 +144,21 @@ class MemorySaver:
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self._backups = backups
 
-    # ---- resume -------------------------------------------------------------------------
-    def resume(self, engine, tags: tuple[str, ...]) -> None:
-        bind_thread(engine.device)
-        todo = [t for t in tags if t in self.released]
-        if "weights" in todo:
-            self._restore_weights()
-        self.released.difference_update(todo)
-        if not self.released and self._recapture is not None and engine.config.cuda_graph:
-            factory, self._recapture = self._recapture, None
-            try:
-                engine.runner.graphs = factory(engine.model, engine.device)
-            except Exception as exc:  # serve eagerly rather than not at all (as at start)
-                log.exception("CUDA graph re-capture after resume failed; decode runs eagerly")
-                engine.stats.record_error(exc)
-
     def _restore_weights(self) -> None:
         for p, backup in self._backups:
             p.data = backup.to(p.device)
         self._backups = []
 
-    def error(self, what: str) -> MemoryReleased:
-        released = ", ".join(sorted(self.released))
-        return MemoryReleased(
-            f"memory is released ({released}): {what}",
-            hint="POST /resume_memory_occupation (tags null: all) first",
-        )
+    def _recapture_graphs(self) -> None:
+        factory, self._recapture = self._recapture, None
+        try:
+            self.runner.graphs = factory(self.model, self.device)
+        except Exception as exc:  # serve eagerly rather than not at all (as at start)
+            log.exception("CUDA graph re-capture after resume failed; decode runs eagerly")
+            self.on_error(exc)
 
     def stats(self) -> dict:
         return {
-            "released": sorted(self.released),
+            "released": sorted(self.gate.released),
             "offloaded_weight_bytes": sum(b.numel() * b.element_size() for _, b in self._backups),
         }

@@ -14,6 +14,7 @@ import torch
 from grctl.engine.decode_batch import DecodeBatch, DecodeItem
 from grctl.engine.kv_cache import ContextKV
 from grctl.model.attention import prefill_attention
+from grctl.model.device import bind_thread
 from grctl.model.qwen3 import Qwen3ForCausalLM
 from grctl.model.rope import rope_cos_sin
 
@@ -25,6 +26,13 @@ class ModelRunner:
         self.config = model.config
         self.dtype = model.embed_tokens.weight.dtype
         self.graphs = None  # a DecodeGraphs when decode runs through CUDA graphs
+
+    def capture_graphs(self) -> None:
+        """Decode through CUDA graphs from now on, one per batch bucket (CUDA only)."""
+        from grctl.engine.cuda_graphs import DecodeGraphs
+
+        bind_thread(self.device)  # the capture stream and pool belong to the model's device
+        self.graphs = DecodeGraphs(self.model, self.device)
 
     def _rope(
         self, positions: torch.Tensor, seq_lens: torch.Tensor | None = None

@@ -1,4 +1,5 @@
-"""Scheduler: the waiting queue and the running set, and the policy that moves between them.
+"""Scheduler: the waiting queue and the running set (indexed by request id), and the policy that
+moves requests between them.
 
 Policy only, no tensors. Each step admits waiting requests in arrival order while the running set
 has room, their prompts fit the prefill token budget (the first always goes, so a prompt longer
@@ -12,7 +13,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
+from grctl.engine.request import GenerateRequest
 from grctl.engine.sequence import Sequence, Status
+from grctl.errors import ValidationError
 
 
 class Scheduler:
@@ -21,7 +24,7 @@ class Scheduler:
         max_running: int,
         prefill_token_budget: int,
         kv_bytes_budget: int | None = None,
-        kv_bytes_of: Callable[[Sequence], int] = lambda seq: 0,
+        kv_bytes_of: Callable[[GenerateRequest], int] = lambda req: 0,
     ):
         self.max_running = max_running
         self.prefill_token_budget = prefill_token_budget
@@ -29,14 +32,36 @@ class Scheduler:
         self.kv_bytes_of = kv_bytes_of
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self._by_id: dict[str, Sequence] = {}  # every sequence waiting or running
 
     @property
     def num_in_flight(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self._by_id)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._by_id
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self._by_id.get(request_id)
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
         self.waiting.append(seq)
+        self._by_id[seq.request_id] = seq
+
+    def check_fits(self, req: GenerateRequest) -> None:
+        """A request whose KV alone exceeds the budget could never be admitted: refuse it now."""
+        if self.kv_bytes_budget is None:
+            return
+        need = self.kv_bytes_of(req)
+        if need > self.kv_bytes_budget:
+            raise ValidationError(
+                f"the request needs {need} bytes of KV ({len(req.input_ids)} prompt tokens, "
+                f"{req.sampling.n} beams), more than the server's KV budget of "
+                f"{self.kv_bytes_budget}",
+                hint="shorten the prompt or the beam width, or start the server with a larger "
+                "--max-kv-bytes",
+            )
 
     def schedule(self) -> tuple[list[Sequence], list[Sequence]]:
         """-> (to prefill, already running): the admitted ones move to the running set."""
@@ -51,7 +76,7 @@ class Scheduler:
             if prefill and seq.num_prompt_tokens > budget:
                 break
             if kv_free is not None:
-                need = self.kv_bytes_of(seq)
+                need = self.kv_bytes_of(seq.req)
                 if self.running and need > kv_free:
                     break
                 kv_free -= need
@@ -63,13 +88,14 @@ class Scheduler:
         return prefill, decode
 
     def kv_bytes_running(self) -> int:
-        return sum(self.kv_bytes_of(s) for s in self.running)
+        return sum(self.kv_bytes_of(s.req) for s in self.running)
 
     def remove(self, seq: Sequence) -> None:
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
+        del self._by_id[seq.request_id]
         seq.status = Status.FINISHED
 
     def retract_running(self) -> int:
@@ -83,3 +109,21 @@ class Scheduler:
 
     def all_sequences(self) -> list[Sequence]:
         return [*self.running, *self.waiting]
+
+    def stats(self) -> dict:
+        """/status "scheduler": what the queues hold."""
+        # The worker drops a finished request's KV without the lock (Executor._decode): read
+        # each reference once, so a release between a check and the read is no AttributeError.
+        kv = [(s.ctx, s.beam_kv) for s in list(self.running)]
+        return {
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "running_beams": sum(s.num_beams for s in self.running),
+            "kv_bytes_budget": self.kv_bytes_budget,  # null: no limit
+            "kv_bytes_admitted": self.kv_bytes_running(),
+            # the context KV once per request, the decoded tail once per beam
+            "context_kv_bytes": sum(c.nbytes for c, _ in kv if c is not None),
+            "beam_kv_bytes": sum(b.nbytes for _, b in kv if b is not None),
+        }

@@ -7,8 +7,8 @@ app.state holds what handlers share:
   tokenizer     the checkpoint's tokenizer, or None (then `text` in a body is a 400)
   metrics       the Metrics registry /metrics renders
   waiters       the thread limiter for engine calls that wait (generate, result, flush)
-  updater       the WeightUpdater: one update at a time, and the update session; labels and
-                counters live in engine.versions (/status "weights")
+  updater       the WeightUpdater: one update at a time, and the update session; it owns the
+                labels and counters (updater.versions, /status "weights")
   weights_checker  the snapshot kept by /weights_checker
 """
 

@@ -29,5 +29,4 @@ def catalog_reload_guard(connection: ASGIConnection, _: BaseRouteHandler) -> Non
 def require_weights(state: State) -> None:
     """Reading or writing the weights while /release_memory_occupation holds them on the host
     is a 503 (the engine refuses a write again under its lock)."""
-    if state.engine.memory.is_released("weights"):
-        raise state.engine.memory.error("the weights cannot be read or written")
+    state.engine.require_weights("the weights cannot be read or written")

@@ -6,8 +6,9 @@ Every transport (disk, pushed tensors, a distributed broadcast) runs through `We
  3. inside `engine.exclusive()` (no model step runs; the in-flight guard decides under the
     engine's own lock) the copies run in place; a failure after the first copy marks the
     weights inconsistent, and the engine refuses to generate until a later update succeeds;
- 4. on success the written tensors take the update's label (engine.versions, WeightVersions:
-    the one owner of labels, step and counters), and the prefill cache is flushed if asked.
+ 4. on success the written tensors take the update's label (`versions`, WeightVersions: the
+    one owner of labels, step and counters; the updater creates it), the engine is told the
+    new label and mix (Engine.weights_written), and the prefill cache is flushed if asked.
 
 It also holds SGLang's weight-update session (/begin_weight_update, /end_weight_update): updates
 work with or without one; ending one reports the labels and fails while they are mixed.
@@ -19,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -28,6 +29,9 @@ from grctl.model.device import bind_thread
 from grctl.weights import apply
 from grctl.weights.apply import WeightCopyError, Write
 from grctl.weights.versions import WeightVersions
+
+if TYPE_CHECKING:
+    from grctl.engine.engine import Engine
 
 T = TypeVar("T")
 
@@ -42,15 +46,14 @@ class UpdateOutcome:
 
 
 class WeightUpdater:
-    def __init__(self, engine):
+    """One per engine: it owns the labels of the engine's weights from the engine's start."""
+
+    def __init__(self, engine: Engine):
         self.engine = engine
         self.model = engine.model
+        self.versions = WeightVersions(engine.model.config, engine.config.weight_version)
         self._lock = threading.Lock()
         self._session_open = False
-
-    @property
-    def versions(self) -> WeightVersions:
-        return self.engine.versions
 
     def run(
         self,
@@ -78,14 +81,14 @@ class WeightUpdater:
                         apply.copy(writes, fetch, read_into, apply.read_workers()) if writes else 0
                     )
                 except WeightCopyError:
-                    self.engine.set_weights_state(consistent=False)
+                    self.engine.weights_written(None, self.versions.mix(), consistent=False)
                     raise
                 flushed = False
                 if flush_cache:
                     self.engine.clear_prefill_cache()
                     flushed = True
                 elapsed_ms = (time.perf_counter() - t0) * 1000.0
-                self.engine.record_weights(
+                self.versions.record(
                     [w.name for w in writes],
                     weight_version,
                     token_step=token_step,
@@ -93,6 +96,7 @@ class WeightUpdater:
                     elapsed_ms=elapsed_ms,
                     is_full=is_full,
                 )
+                self.engine.weights_written(self.versions.current, self.versions.mix())
         num_bytes = sum(w.dst.numel() * w.dst.element_size() for w in writes)
         return UpdateOutcome(loaded, num_aborted, flushed, round(elapsed_ms, 3), num_bytes)
 
@@ -107,7 +111,10 @@ class WeightUpdater:
         requests go on and report both versions, as in SGLang; an update in progress finishes
         first, so the relabel never lands between two of its copies."""
         with self._lock:
-            return self.engine.relabel_weights(str(new_version), abort_all_requests)
+            self.versions.relabel(str(new_version))
+            return self.engine.relabel(
+                self.versions.current, self.versions.mix(), abort_all_requests
+            )
 
     def begin_session(self) -> None:
         with self._lock:
@@ -137,5 +144,6 @@ class WeightUpdater:
 
         with self._lock, self.engine.exclusive(False):
             n = WeightsChecker.reset_tensors(self.model)
-            self.engine.set_weights_state(consistent=self.engine.is_weights_consistent)
+            consistent = self.engine.is_weights_consistent
+            self.engine.weights_written(None, self.versions.mix(), consistent=consistent)
             return n

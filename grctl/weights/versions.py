@@ -11,8 +11,9 @@ then the engine refuses to serve them (unless partial updates are allowed).
     versions.relabel("step-7")                          # every tensor 'step-7' again
 
 `current` is the label a reply reports (/get_weight_version, meta_info.weight_version): the last
-one an update or a relabel set. One lock guards the table; the engine reads `current` and
-`is_mixed` under its own lock as well, so no step starts between an update and its labels.
+one an update or a relabel set. One lock guards the table. The WeightUpdater owns it and tells
+the engine the label and the mix after each change, inside the update's exclusive section, so no
+step runs between an update and its labels.
 """
 
 from __future__ import annotations
@@ -104,6 +105,10 @@ class WeightVersions:
     def labels(self) -> dict[str, str]:
         with self._lock:
             return dict(self._labels)
+
+    def mix(self) -> str | None:
+        """describe_mix() while the weights are mixed, else None: what the engine is told."""
+        return self.describe_mix() if self.is_mixed else None
 
     def describe_mix(self) -> str:
         """'20 tensors carry version 'B', 26 carry 'A'' (for errors and /end_weight_update)."""

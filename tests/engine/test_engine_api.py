@@ -140,14 +140,14 @@ def test_inconsistent_weights_refuse_generation(model):
     eng = make(model)
     queued = eng.submit(req())
     with eng.exclusive(abort_all_requests=True):
-        eng.set_weights_state(consistent=False)
+        eng.weights_written(None, mix=None, consistent=False)
     assert not eng.is_weights_consistent and eng.weight_version == "default"
     assert "weights_inconsistent" in eng.ready_reasons()
     assert eng.status()["engine"]["weights_consistent"] is False
     with pytest.raises(WeightsInconsistent):
         eng.submit(req())
     assert not eng.run_step()
-    eng.record_weights([], "v2", is_full=True)
+    eng.weights_written("v2", mix=None)
     assert eng.poll(queued).finish_reason == "abort"
     rid = eng.submit(req())
     run_all(eng)
@@ -161,7 +161,7 @@ def test_weight_versions_record_each_step(model):
     eng.pause("in_place")
     with eng.exclusive() as aborted:
         assert aborted == 0
-        eng.record_weights([], "v2", is_full=True)
+        eng.weights_written("v2", mix=None)
     eng.resume()
     run_all(eng)
     res = eng.result(rid)

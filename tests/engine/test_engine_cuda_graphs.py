@@ -86,7 +86,7 @@ def test_cuda_graphs_match_eager_and_follow_in_place_weight_updates(dtype):
         model.norm.weight.mul_(1.5)
         model.layers[0].mlp.down_proj.weight.mul_(-1.0)
         assert model.norm.weight.data_ptr() == ptr
-        graphed.record_weights([], "v2", is_full=True)
+        graphed.weights_written("v2", mix=None)
     after = generate(graphed)
     assert graphed.status()["engine"]["cuda_graph"]["replays"] > 0
     assert after[0].beams[0].sequence_score != pytest.approx(

@@ -89,7 +89,7 @@ def test_retract_restarts_from_the_prompt(model, reference):
     assert not eng.run_step()
     with eng.exclusive() as aborted:  # an update while they wait: they restart on v2 alone
         assert aborted == 0
-        eng.record_weights([], "v2", is_full=True)
+        eng.weights_written("v2", mix=None)
     eng.resume()
     run_all(eng)
     results = [eng.result(i) for i in ids]
@@ -148,16 +148,16 @@ def test_pause_gives_up_when_the_step_does_not_end(model):
     pause_timeout_s it is a retryable 503 pause_timeout, and no new step starts meanwhile."""
     eng = Engine(model, EngineConfig(pause_timeout_s=0.3))
     eng.submit(requests()[0])
-    with eng._cond:
-        eng._computing = True  # the worker is inside a step that does not come back
+    with eng.gate:
+        eng.gate.is_computing = True  # the worker is inside a step that does not come back
     t0 = time.monotonic()
     with pytest.raises(PauseTimeout, match="did not end within 0.3 s") as err:
         eng.pause("abort")
     assert time.monotonic() - t0 < 5
     assert (err.value.status, err.value.code, err.value.retryable) == (503, "pause_timeout", True)
     assert eng.is_paused and eng.num_in_flight() == 1  # paused, nothing aborted yet
-    with eng._cond:
-        eng._computing = False  # the step ends after all: a second pause goes through
+    with eng.gate:
+        eng.gate.is_computing = False  # the step ends after all: a second pause goes through
     assert eng.pause("abort") == 1
 
 
@@ -169,10 +169,10 @@ def test_a_dead_worker_refuses_requests(model):
     def die() -> bool:
         raise SystemExit  # what no `except Exception` in the worker catches
 
-    eng.run_step = die
+    eng.worker.run_step = die
     eng.start()
     eng.submit(requests()[0])  # wakes the worker, which dies on it
-    eng._thread.join(5)
+    eng.worker._thread.join(5)
     assert not eng.is_worker_alive
     with pytest.raises(NotReady, match="worker") as err:
         eng.submit(requests()[1])

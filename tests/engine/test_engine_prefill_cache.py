@@ -109,7 +109,7 @@ def test_engine_never_serves_a_stale_entry_after_a_weight_change(model):
     before = run(eng, prompt)
     with eng.exclusive():  # new weights under a new version, and no flush
         fresh.norm.weight.mul_(1.5)
-        eng.record_weights([], "v2", is_full=True)
+        eng.weights_written("v2", mix=None)
     after = run(eng, prompt)
     assert after.cached_tokens == 0 and after.weight_versions == ["v2"]
     assert after.beams[0].sequence_score != pytest.approx(before.beams[0].sequence_score, abs=1e-3)

@@ -58,7 +58,7 @@ def test_flush_on_update_clears_cache_and_counters(setup):
     stats = engine.cache.stats()
     assert out.flushed_cache and stats["entries"] == 0
     assert stats["hits"] == stats["misses"] == stats["inserts"] == 0
-    assert engine.versions.current == "b" and engine.versions.update_count == 1
+    assert updater.versions.current == "b" and updater.versions.update_count == 1
 
 
 def test_copy_failure_refuses_generation_until_a_good_update(setup):
@@ -79,7 +79,7 @@ def test_copy_failure_refuses_generation_until_a_good_update(setup):
     assert "weights_inconsistent" in engine.ready_reasons()
     with pytest.raises(WeightsInconsistent):
         engine.submit(GenerateRequest(PROMPT, SamplingParams(max_new_tokens=1)))
-    assert engine.versions.current == "default" and engine.versions.update_count == 0
+    assert updater.versions.current == "default" and updater.versions.update_count == 0
     update_from_disk(updater, str(a), weight_version="a")
     assert "weights_inconsistent" not in engine.ready_reasons()
     assert greedy(engine) == hf_generate(a, list(PROMPT))
@@ -97,5 +97,5 @@ def test_validation_failure_changes_nothing_and_counts_nothing(setup):
         )
     for n, p in engine.model.named_parameters():
         assert torch.equal(p, before[n])
-    assert engine.versions.update_count == 0 and engine.weight_version == "default"
+    assert updater.versions.update_count == 0 and engine.weight_version == "default"
     assert greedy(engine) == hf_generate(a, list(PROMPT))

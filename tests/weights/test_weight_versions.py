@@ -28,13 +28,18 @@ def model():
     return load_model(None)
 
 
-def push(engine: Engine, named: list[tuple[str, torch.Tensor]], label: str | None, **kw):
+def serve(model, **cfg) -> tuple[Engine, WeightUpdater]:
+    """An engine and its one updater, the owner of its labels."""
+    engine = Engine(model, EngineConfig(**cfg))
+    return engine, WeightUpdater(engine)
+
+
+def push(updater: WeightUpdater, named: list[tuple[str, torch.Tensor]], label: str | None, **kw):
     """One chunk through the real updater (plan, copy, labels)."""
-    updater = WeightUpdater(engine)
     direct = kw.pop("direct", False)
     return updater.run(
         lambda: apply.plan(
-            engine.model,
+            updater.model,
             apply.specs_of(named),
             require_full=False,
             allow_fused=direct,
@@ -53,12 +58,12 @@ def hf_tensor(engine: Engine, name: str) -> torch.Tensor:
 
 
 def test_a_q_proj_only_chunk_labels_only_its_rows(model):
-    engine = Engine(model, EngineConfig(weight_version="A"))
+    engine, updater = serve(model, weight_version="A")
     q = "model.layers.0.self_attn.q_proj.weight"
-    push(engine, [(q, hf_tensor(engine, q))], "B")
-    labels = engine.versions.labels()
+    push(updater, [(q, hf_tensor(engine, q))], "B")
+    labels = updater.versions.labels()
     assert labels[q] == "B" and labels["model.layers.0.self_attn.k_proj.weight"] == "A"
-    assert engine.versions.label_counts() == {"A": NUM_TENSORS - 1, "B": 1}
+    assert updater.versions.label_counts() == {"A": NUM_TENSORS - 1, "B": 1}
     assert engine.is_weights_mixed and "weights_mixed" in engine.ready_reasons()
     with pytest.raises(WeightsMixed) as refused:
         engine.submit(req())
@@ -72,23 +77,23 @@ def test_a_q_proj_only_chunk_labels_only_its_rows(model):
     # A fused name (load_format direct) covers q, k and v at once.
     fused = "layers.0.self_attn.qkv_proj.weight"
     qkv = model.layers[0].self_attn.qkv_proj.weight.detach().clone()
-    push(engine, [(fused, qkv)], "B", direct=True)
-    assert engine.versions.label_counts()["B"] == 3
-    engine.relabel_weights("B")
+    push(updater, [(fused, qkv)], "B", direct=True)
+    assert updater.versions.label_counts()["B"] == 3
+    updater.set_version("B")
     assert not engine.is_weights_mixed
     engine.resume()
     assert engine.submit(req())
 
 
 def test_unlabelled_updates_keep_labels_and_empty_ones_only_move_the_label(model):
-    engine = Engine(model, EngineConfig(weight_version="A"))
+    engine, updater = serve(model, weight_version="A")
     name = "model.norm.weight"
-    push(engine, [(name, hf_tensor(engine, name))], None)  # SGLang's unlabelled single update
-    assert engine.versions.label_counts() == {"A": NUM_TENSORS} and not engine.is_weights_mixed
-    assert engine.versions.update_count == 1
+    push(updater, [(name, hf_tensor(engine, name))], None)  # SGLang's unlabelled single update
+    assert updater.versions.label_counts() == {"A": NUM_TENSORS} and not engine.is_weights_mixed
+    assert updater.versions.update_count == 1
     # tied lm_head lands in the embedding: the embedding's label moves
-    push(engine, [("lm_head.weight", hf_tensor(engine, "model.embed_tokens.weight"))], "C")
-    assert engine.versions.labels()["model.embed_tokens.weight"] == "C"
+    push(updater, [("lm_head.weight", hf_tensor(engine, "model.embed_tokens.weight"))], "C")
+    assert updater.versions.labels()["model.embed_tokens.weight"] == "C"
     assert engine.weight_version == "C"
 
 
@@ -101,9 +106,9 @@ def test_a_full_update_labels_every_tensor():
 
 
 def test_allow_partial_updates_serves_a_mix(model):
-    engine = Engine(model, EngineConfig(weight_version="A", allow_partial_updates=True))
-    push(engine, [("model.norm.weight", hf_tensor(engine, "model.norm.weight"))], "B")
-    assert engine.versions.is_mixed and not engine.is_weights_mixed
+    engine, updater = serve(model, weight_version="A", allow_partial_updates=True)
+    push(updater, [("model.norm.weight", hf_tensor(engine, "model.norm.weight"))], "B")
+    assert updater.versions.is_mixed and not engine.is_weights_mixed
     assert engine.ready_reasons() == ["worker_not_running"]
     rid = engine.submit(req())
     while engine.run_step():
@@ -114,12 +119,12 @@ def test_allow_partial_updates_serves_a_mix(model):
 def test_relabel_while_a_request_runs_is_allowed_and_reported(model):
     """SGLang's /update_weight_version with abort_all_requests false: no 409; the request goes on
     and lists both labels."""
-    engine = Engine(model, EngineConfig(weight_version="A"))
+    engine, updater = serve(model, weight_version="A")
     rid = engine.submit(GenerateRequest((1, 2, 3), SamplingParams(max_new_tokens=4)))
     assert engine.run_step()  # prefill under A: the request is in flight, nothing paused
-    assert WeightUpdater(engine).set_version("B", abort_all_requests=False) == 0
+    assert updater.set_version("B", abort_all_requests=False) == 0
     while engine.run_step():
         pass
     result = engine.result(rid)
     assert result.finish_reason == "length" and result.weight_versions == ["A", "B"]
-    assert engine.versions.label_counts() == {"B": NUM_TENSORS}
+    assert updater.versions.label_counts() == {"B": NUM_TENSORS}

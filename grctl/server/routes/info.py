@@ -60,7 +60,7 @@ async def status(state: State) -> dict[str, Any]:
     engine = state.engine
     return {
         **engine.status(),
-        "weights": engine.versions.as_dict(),
+        "weights": state.updater.versions.as_dict(),
         "catalog": engine.catalogs.status(),
     }
 
@@ -73,7 +73,7 @@ async def status(state: State) -> dict[str, Any]:
 )
 async def metrics(state: State) -> str:
     engine = state.engine
-    weights = engine.versions.as_dict()
+    weights = state.updater.versions.as_dict()
     weights.pop("label_counts")  # labels are free text, not metric names
     counters, gauges = split_series(numeric_gauges("gr", {**engine.status(), "weights": weights}))
     gauges["gr_ready"] = float(not engine.ready_reasons())

@@ -131,7 +131,7 @@ def update_options(body) -> dict:
 def update_response(
     state: State, outcome, message: str, model_dir: str | None = None, *, transport: str
 ):
-    versions = state.engine.versions
+    versions = state.updater.versions
     log_update(state, transport, outcome)
     return UpdateWeightsResponse(
         success=True,

@@ -64,7 +64,7 @@ async def continue_generation(state: State) -> ContinueResponse:
 
 @get("/get_weight_version", summary="The served weight version, step, update count and labels")
 async def get_weight_version(state: State) -> WeightVersionResponse:
-    info = state.engine.versions.as_dict()
+    info = state.updater.versions.as_dict()
     return WeightVersionResponse(
         weight_version=info["weight_version"],
         token_step=info["token_step"],
