@@ -21,7 +21,7 @@ from grctl.engine.kv_cache import kv_bytes_budget, request_kv_bytes
 from grctl.engine.memory import MemorySaver
 from grctl.engine.model_runner import ModelRunner
 from grctl.engine.prefill_cache import PrefillCache
-from grctl.engine.request import GenerateRequest, GenerateResult
+from grctl.engine.request import GenerateRequest, GenerateResult, new_request_id
 from grctl.engine.results import ResultStore
 from grctl.engine.scheduler import Scheduler
 from grctl.engine.sequence import Sequence
@@ -152,7 +152,7 @@ class Engine:
             refusals = self.gate.refusals()
             if refusals:
                 raise refusals[0][1]()
-            rid = req.request_id or self.stats.new_request_id()
+            rid = req.request_id or new_request_id()
             if rid in self.scheduler or rid in self.results:
                 raise DuplicateRequestId(f"request id {rid!r} is already in use")
             if len(self.scheduler.waiting) >= cfg.max_waiting_requests:

@@ -1,10 +1,21 @@
-"""What the engine takes and gives back: plain dataclasses, no HTTP in here."""
+"""What the engine takes and gives back (plain dataclasses, no HTTP in here), and request ids."""
 
 from __future__ import annotations
 
+import itertools
+import os
+import uuid
 from dataclasses import dataclass, field
 
 from grctl.engine.search.logits_processors import LogitsRule
+
+_ID_PREFIX = f"req-{uuid.uuid4().hex[:8]}-{os.getpid()}"
+_ID_COUNT = itertools.count()
+
+
+def new_request_id() -> str:
+    """An id no other request of this process has (nor, by its random prefix, of another)."""
+    return f"{_ID_PREFIX}-{next(_ID_COUNT)}"
 
 
 @dataclass(frozen=True)

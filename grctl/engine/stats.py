@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import itertools
-import os
 import time
-import uuid
 
 from grctl.engine.request import GenerateResult
 
 
 class EngineStats:
     def __init__(self):
-        self._ids = itertools.count()
-        self._id_prefix = f"{uuid.uuid4().hex[:8]}-{os.getpid()}"
         self.started_at = time.time()
         self.num_submitted = 0
         self.num_finished = 0  # every result, aborted ones included
@@ -29,9 +24,6 @@ class EngineStats:
         self.last_step_ms = 0.0
         self.num_errors = 0
         self.last_error: str | None = None
-
-    def new_request_id(self) -> str:
-        return f"req-{self._id_prefix}-{next(self._ids)}"
 
     def record_step(self, seconds: float, error: BaseException | None) -> None:
         self.num_steps += 1

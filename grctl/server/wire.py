@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import logging
-import uuid
 from pathlib import Path
 from typing import Any
 
-from grctl.engine.request import GenerateRequest, GenerateResult, SamplingParams
+from grctl.engine.request import GenerateRequest, GenerateResult, SamplingParams, new_request_id
 from grctl.engine.search.logits_processors import parse_logits_processors
 from grctl.errors import DuplicateRequestId, ValidationError
 from grctl.protocol.catalog import ItemResultOut
@@ -37,10 +36,6 @@ def load_tokenizer(model_path: str | None) -> Any | None:
     except Exception as exc:  # a broken tokenizer must not stop ids-only serving
         log.warning("no tokenizer: cannot load one from %s: %s", model_path, exc)
         return None
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex
 
 
 def prompt_rows(body: GenerateBody, tokenizer: Any | None) -> tuple[list[list[int]], bool]:

@@ -10,7 +10,7 @@ from litestar.enums import MediaType
 from litestar.params import Parameter
 
 import grctl
-from grctl.engine.request import GenerateRequest, SamplingParams
+from grctl.engine.request import GenerateRequest, SamplingParams, new_request_id
 from grctl.errors import CacheBusy, GrctlError, NotReady
 from grctl.model.device import gpu_uuid
 from grctl.model.dtypes import name_of
@@ -26,7 +26,6 @@ from grctl.protocol.info import (
 )
 from grctl.server.metrics import numeric_gauges, split_series
 from grctl.server.offload import offload
-from grctl.server.wire import new_request_id
 
 EXEMPT = {"auth_exempt": True}
 HEALTH_GENERATE_TIMEOUT_S = 30.0
