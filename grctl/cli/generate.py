@@ -8,7 +8,8 @@ from pathlib import Path
 from grctl.engine.config import EngineConfig
 from grctl.engine.engine import Engine
 from grctl.engine.request import GenerateRequest, SamplingParams
-from grctl.weights.loader import load_model, resolve_device
+from grctl.model.device import resolve_device
+from grctl.weights.loader import load_model
 
 
 def generate_offline(

@@ -13,8 +13,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-import torch
-
 from grctl.engine.executor import Executor
 from grctl.engine.gate import Gate
 from grctl.engine.kv_cache import kv_bytes_budget, request_kv_bytes
@@ -37,6 +35,7 @@ from grctl.errors import (
     ValidationError,
     WeightsMixed,
 )
+from grctl.model.device import resolve_device
 from grctl.model.dtypes import name_of
 from grctl.model.qwen3 import Qwen3ForCausalLM
 
@@ -54,12 +53,7 @@ class Engine:
     started, which tests use to reach every state deterministically."""
 
     def __init__(self, model: Qwen3ForCausalLM, config: EngineConfig):
-        # device "auto": wherever the model already is
-        self.device = model.embed_tokens.weight.device
-        if config.device != "auto":
-            self.device = torch.device(config.device)
-        if self.device.type == "cuda" and self.device.index is None:  # "cuda" -> "cuda:N"
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = resolve_device(config.device, placed=model.embed_tokens.weight.device)
         if model.embed_tokens.weight.device != self.device:
             model.to(self.device)  # at construction only: later, weights are written in place
         self.model = model.eval()

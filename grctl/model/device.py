@@ -1,4 +1,7 @@
-"""The engine's device, as seen from each thread that launches work on it.
+"""The model's device: what a --device value names, and that device as seen from each thread.
+
+"auto" means where the model already is, when there is one (an engine handed a placed model),
+else cuda when available, else cpu (a model about to be loaded).
 
 torch keeps the current CUDA device per thread, and every new thread starts on device 0. Streams,
 graph memory pools, `torch.cuda.synchronize()` and allocations without an explicit device all go
@@ -11,6 +14,23 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+
+from grctl.errors import ValidationError
+
+
+def resolve_device(name: str, placed: torch.device | None = None) -> torch.device:
+    """A --device value as a torch.device, "cuda" with its index (the current CUDA device);
+    `placed`: where the model already is, which "auto" keeps."""
+    if name == "auto":
+        cuda = torch.cuda.is_available()
+        device = placed if placed is not None else torch.device("cuda" if cuda else "cpu")
+    elif name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValidationError(f"device {name!r} asked for, but CUDA is not available")
+    else:
+        device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def bind_thread(device: torch.device | str) -> None:

@@ -19,7 +19,7 @@ from grctl.model.dtypes import name_of
 from grctl.server import logs
 from grctl.server.app import DRAIN_TIMEOUT_S, create_app
 from grctl.testing import faults
-from grctl.weights.loader import load_model, resolve_device
+from grctl.weights.loader import load_model
 
 log = logging.getLogger("grctl.server")
 
@@ -28,7 +28,7 @@ def build_engine(config: ServeConfig) -> Engine:
     """Load the model where config.engine.device says (auto: cuda when available), then the
     engine over it, with the EngineConfig passed whole."""
     cfg = config.engine
-    model = load_model(cfg.model_path, device=str(resolve_device(cfg.device)), dtype=cfg.dtype)
+    model = load_model(cfg.model_path, device=cfg.device, dtype=cfg.dtype)
     return Engine(model, cfg)
 
 

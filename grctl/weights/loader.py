@@ -15,18 +15,11 @@ import torch
 from grctl.errors import ValidationError
 from grctl.model.builtin import DEFAULT_CONFIG, builtin_weights
 from grctl.model.config import ModelConfig
+from grctl.model.device import resolve_device
 from grctl.model.dtypes import SERVED_DTYPES, name_of
 from grctl.model.qwen3 import Qwen3ForCausalLM
 from grctl.weights import apply
 from grctl.weights.checkpoint import Checkpoint, copy_checkpoint, plan_checkpoint
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValidationError(f"device {device!r} asked for, but CUDA is not available")
-    return torch.device(device)
 
 
 def resolve_dtype(dtype: str, cfg: ModelConfig) -> torch.dtype:
