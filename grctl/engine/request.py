@@ -7,7 +7,8 @@ import os
 import uuid
 from dataclasses import dataclass, field
 
-from grctl.engine.search.logits_processors import LogitsRule
+from grctl.engine.search.beam import BeamResult
+from grctl.engine.search.params import SamplingParams
 
 _ID_PREFIX = f"req-{uuid.uuid4().hex[:8]}-{os.getpid()}"
 _ID_COUNT = itertools.count()
@@ -19,32 +20,11 @@ def new_request_id() -> str:
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int = 1
-    n: int = 1  # n > 1: beam search of width n
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    top_k: int = -1  # -1: whole vocab
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False  # True: neither EOS nor stop_token_ids end a sequence
-    use_catalog: bool = True  # constrain to the served item catalog, when one is loaded
-    logits_processors: tuple[LogitsRule, ...] = ()
-
-
-@dataclass(frozen=True)
 class GenerateRequest:
     input_ids: tuple[int, ...]
     sampling: SamplingParams = SamplingParams()
     return_logprob: bool = False
     request_id: str | None = None  # None: the engine assigns one
-
-
-@dataclass
-class BeamResult:
-    output_ids: list[int]
-    sequence_score: float  # cumulative log-probability of output_ids
-    finish_reason: str  # "length" | "stop" | "item_complete" | "abort"
 
 
 @dataclass

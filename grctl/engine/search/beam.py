@@ -15,11 +15,11 @@ fall, so stopping there changes no result).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from grctl.engine.request import BeamResult
 from grctl.engine.search.sampler import Sampler
 
 if TYPE_CHECKING:
@@ -29,6 +29,13 @@ if TYPE_CHECKING:
 STOP, ITEM, LENGTH = 1, 2, 3
 REASONS = {STOP: "stop", ITEM: "item_complete", LENGTH: "length"}
 NEG_INF = float("-inf")
+
+
+@dataclass
+class BeamResult:
+    output_ids: list[int]
+    sequence_score: float  # cumulative log-probability of output_ids
+    finish_reason: str  # "length" | "stop" | "item_complete" | "abort"
 
 
 class Beams:

@@ -7,7 +7,7 @@ import secrets
 
 import torch
 
-from grctl.engine.request import SamplingParams
+from grctl.engine.search.params import SamplingParams
 
 
 class Sampler:
