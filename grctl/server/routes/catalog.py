@@ -8,8 +8,11 @@ its line, and the old catalog keeps serving.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from litestar import Router, get, post
 from litestar.datastructures import State
+from litestar.params import Body
 
 from grctl.protocol.catalog import CatalogReloadBody, CatalogStatus
 from grctl.server.guards import catalog_reload_guard
@@ -30,7 +33,9 @@ async def catalog_status(state: State) -> CatalogStatus:
     status_code=200,
     summary="Build the catalog at `path` beside the served one, then swap it in",
 )
-async def catalog_reload(state: State, data: CatalogReloadBody | None = None) -> CatalogStatus:
+async def catalog_reload(
+    state: State, data: Annotated[CatalogReloadBody | None, Body()] = None
+) -> CatalogStatus:
     store = state.engine.catalogs
     path = store.checked_path((data or CatalogReloadBody()).path)
     await offload(state, store.load, path)

@@ -8,9 +8,11 @@ loop. /generate takes one prompt or, as SGLang does, a batch: input_ids [[...], 
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from litestar import Request, get, post
 from litestar.datastructures import State
-from litestar.params import Parameter
+from litestar.params import Body, Parameter
 from litestar.status_codes import HTTP_202_ACCEPTED
 
 from grctl.engine.request import GenerateRequest, GenerateResult
@@ -58,7 +60,7 @@ async def run_to_end(state: State, reqs: list[GenerateRequest]) -> list[Generate
     responses=error_responses(400, 409, 413, 429, 503, 504),
 )
 async def generate(
-    state: State, request: Request, data: GenerateBody | None = None
+    state: State, request: Request, data: Annotated[GenerateBody | None, Body()] = None
 ) -> GenerateResponse | list[GenerateResponse]:
     reqs, is_batch = to_requests(data or GenerateBody(), state.tokenizer)
     # A client that goes away cancels its requests (run_to_end's on_cancel).
@@ -73,7 +75,9 @@ async def generate(
     summary="Queue one request; poll for it",
     responses=error_responses(400, 409, 413, 429, 503),
 )
-async def submit(state: State, data: GenerateBody | None = None) -> SubmitResponse:
+async def submit(
+    state: State, data: Annotated[GenerateBody | None, Body()] = None
+) -> SubmitResponse:
     reqs, is_batch = to_requests(data or GenerateBody(), state.tokenizer)
     if is_batch:
         raise BadRequest("/submit takes one prompt", hint="use /submit_many for a batch")
@@ -86,7 +90,9 @@ async def submit(state: State, data: GenerateBody | None = None) -> SubmitRespon
     summary="Queue a batch, all or none",
     responses=error_responses(400, 409, 413, 429, 503),
 )
-async def submit_many(state: State, data: SubmitManyBody | None = None) -> SubmitManyResponse:
+async def submit_many(
+    state: State, data: Annotated[SubmitManyBody | None, Body()] = None
+) -> SubmitManyResponse:
     bodies = data.requests if data else []
     limit = state.config.max_http_submit_many
     if len(bodies) > limit:
@@ -158,7 +164,7 @@ async def result(
     summary="Cancel one request by request_id",
     responses=error_responses(400, 404),
 )
-async def cancel(state: State, data: CancelBody | None = None) -> CancelResponse:
+async def cancel(state: State, data: Annotated[CancelBody | None, Body()] = None) -> CancelResponse:
     request_id = data and (data.request_id or data.rid)
     if not request_id:
         raise BadRequest("request_id is required")
@@ -169,7 +175,9 @@ async def cancel(state: State, data: CancelBody | None = None) -> CancelResponse
 
 
 @post("/abort_request", status_code=200, summary="Abort one request (rid) or all (abort_all)")
-async def abort_request(state: State, data: AbortRequestBody | None = None) -> AbortRequestResponse:
+async def abort_request(
+    state: State, data: Annotated[AbortRequestBody | None, Body()] = None
+) -> AbortRequestResponse:
     body = data or AbortRequestBody()
     if body.abort_all:
         num = state.engine.abort_all()

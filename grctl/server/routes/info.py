@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from litestar import Response, get, post
 from litestar.datastructures import State
 from litestar.enums import MediaType
-from litestar.params import Parameter
+from litestar.params import Body, Parameter
 
 import grctl
 from grctl.engine.request import GenerateRequest, SamplingParams, new_request_id
@@ -186,7 +186,9 @@ async def flush_cache_get(
     summary="Clear the prefill cache; `timeout` from the query or the body",
 )
 async def flush_cache_post(
-    state: State, data: FlushCacheBody | None = None, timeout: float | None = TimeoutQuery
+    state: State,
+    data: Annotated[FlushCacheBody | None, Body()] = None,
+    timeout: float | None = TimeoutQuery,
 ) -> Response[FlushCacheResponse]:
     body_timeout = data.timeout if data else None
     return await flush(state, timeout if timeout is not None else body_timeout)

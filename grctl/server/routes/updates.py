@@ -12,9 +12,11 @@ GroupRegistry on app.state, made on first use.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 from litestar import Router, post
 from litestar.datastructures import State
+from litestar.params import Body
 
 from grctl.errors import Forbidden, ValidationError
 from grctl.protocol.weights import (
@@ -58,7 +60,7 @@ def checked_model_path(state: State, body: UpdateFromDiskBody) -> str:
     summary="Load an HF checkpoint from disk into the live model, in place",
 )
 async def update_weights_from_disk(
-    state: State, data: UpdateFromDiskBody | None = None
+    state: State, data: Annotated[UpdateFromDiskBody | None, Body()] = None
 ) -> UpdateWeightsResponse:
     body = data or UpdateFromDiskBody()
     require_weights(state)
@@ -86,7 +88,7 @@ async def update_weights_from_disk(
     summary="Apply one pushed chunk (SGLang wire format: CUDA IPC or shared memory)",
 )
 async def update_weights_from_tensor(
-    state: State, data: UpdateFromTensorBody | None = None
+    state: State, data: Annotated[UpdateFromTensorBody | None, Body()] = None
 ) -> UpdateWeightsResponse:
     body = data or UpdateFromTensorBody()
     if body.serialized_named_tensors is None:
@@ -171,7 +173,7 @@ def groups(state: State) -> GroupRegistry:
     summary="Join the trainer's process group (blocks until the trainer joins as rank 0)",
 )
 async def init_weights_update_group(
-    state: State, data: InitGroupBody | None = None
+    state: State, data: Annotated[InitGroupBody | None, Body()] = None
 ) -> SuccessResponse:
     body = data or InitGroupBody()
     backend = check_init_args(
@@ -199,7 +201,7 @@ async def init_weights_update_group(
     summary="Receive a broadcast from rank 0 of a group and load it in place",
 )
 async def update_weights_from_distributed(
-    state: State, data: UpdateFromDistributedBody | None = None
+    state: State, data: Annotated[UpdateFromDistributedBody | None, Body()] = None
 ) -> SuccessResponse:
     body = data or UpdateFromDistributedBody()
     require_weights(state)
@@ -228,7 +230,7 @@ async def update_weights_from_distributed(
     summary="Leave and destroy a weight update group",
 )
 async def destroy_weights_update_group(
-    state: State, data: DestroyGroupBody | None = None
+    state: State, data: Annotated[DestroyGroupBody | None, Body()] = None
 ) -> SuccessResponse:
     body = data or DestroyGroupBody()
     await offload(state, groups(state).destroy, body.group_name)

@@ -11,10 +11,12 @@ SGLang-style clients read. The routes that write weights are in routes/updates.p
 from __future__ import annotations
 
 from functools import partial
+from typing import Annotated
 
 import msgspec
 from litestar import Request, Router, get, post, route
 from litestar.datastructures import State
+from litestar.params import Body
 
 from grctl.errors import ValidationError
 from grctl.protocol.weights import (
@@ -44,7 +46,9 @@ from grctl.weights.views import read_rows
 
 
 @post("/pause_generation", status_code=200, summary="Pause: abort | retract | in_place")
-async def pause_generation(state: State, data: PauseBody | None = None) -> PauseResponse:
+async def pause_generation(
+    state: State, data: Annotated[PauseBody | None, Body()] = None
+) -> PauseResponse:
     mode = (data or PauseBody()).mode
     num = await offload(state, state.engine.pause, mode)
     logs.event("pause", mode=mode, aborted=num)
@@ -80,7 +84,7 @@ async def get_weight_version(state: State) -> WeightVersionResponse:
     summary="Open SGLang's weight-update session (updates work without one too)",
 )
 async def begin_weight_update(
-    state: State, data: BeginWeightUpdateBody | None = None
+    state: State, data: Annotated[BeginWeightUpdateBody | None, Body()] = None
 ) -> SuccessResponse:
     selector = (data or BeginWeightUpdateBody()).selector
     if selector != "all":
@@ -101,7 +105,7 @@ async def end_weight_update(state: State) -> SuccessResponse:
 
 @post("/update_weight_version", status_code=200, summary="Relabel the live weights")
 async def update_weight_version(
-    state: State, data: UpdateWeightVersionBody | None = None
+    state: State, data: Annotated[UpdateWeightVersionBody | None, Body()] = None
 ) -> UpdateWeightVersionResponse:
     body = data or UpdateWeightVersionBody()
     new_version = version_str(body.new_version)
@@ -139,7 +143,7 @@ async def get_weights_by_name(state: State, request: Request) -> GetWeightsRespo
     summary="snapshot | reset_tensors | compare | checksum",
 )
 async def weights_checker(
-    state: State, data: WeightsCheckerBody | None = None
+    state: State, data: Annotated[WeightsCheckerBody | None, Body()] = None
 ) -> WeightsCheckerResponse:
     action = (data or WeightsCheckerBody()).action
     require_weights(state)
