@@ -111,11 +111,11 @@ def main() -> None:
 from grctl.cli import catalog as cli_catalog  # noqa: E402, I001  (other modules' commands)
 
 
-from grctl.cli import client as cli_client  # noqa: E402, I001  (other modules' commands)
+from grctl.cli import sync as cli_sync  # noqa: E402, I001  (other modules' commands)
 
 
 from grctl.cli import serve as cli_serve  # noqa: E402, I001  (other modules' commands)
 
 cli_serve.register(app)
-cli_client.register(app)
+cli_sync.register(app)
 cli_catalog.register(app)
