@@ -1,19 +1,27 @@
-"""The grctl command line: each command is a thin signature over a plain function."""
+"""The root `grctl` app: --version, every command group registered here, and main(), which maps
+what a command raises to the documented exit code."""
 
 from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from typer import rich_utils
 
 import grctl
-from grctl.cli.output import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, print_json, usage_error_doc
+from grctl.cli import catalog, control, demo, generate, serve, sync
+from grctl.cli.output import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    console,
+    err_console,
+    print_json,
+    usage_error_doc,
+)
 from grctl.errors import GrctlError
 
 app = typer.Typer(
@@ -25,46 +33,25 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-model_app = typer.Typer(help="The built-in default model.", no_args_is_help=True)
-app.add_typer(model_app, name="model")
+# The order here is the order of `grctl --help` (groups after commands).
+for command in (
+    generate.generate,
+    serve.serve,
+    sync.push,
+    control.pause,
+    control.resume,
+    control.flush,
+    control.status,
+    sync.verify,
+    demo.demo,
+):
+    app.command(command.__name__)(command)
+app.add_typer(generate.model_app, name="model")
+app.add_typer(catalog.catalog_app, name="catalog")
 
-err_console = Console(stderr=True)
 # Typer 0.2x vendors Click, older versions use click itself: take the base of the usage errors
 # from the class Typer exports either way.
 ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
-console = Console()
-
-
-@model_app.command("export")
-def model_export(
-    out_dir: Annotated[Path, typer.Argument(help="Directory to write the HF checkpoint into.")],
-) -> None:
-    """Write the built-in model as an HF checkpoint (config.json + model.safetensors)."""
-    from grctl.weights.loader import export_hf, load_model
-
-    path = export_hf(load_model(None), out_dir)
-    console.print(f"wrote the built-in model to {path}")
-
-
-@app.command()
-def generate(
-    input_ids: Annotated[str, typer.Argument(help="Prompt token ids, comma-separated.")],
-    model_path: Annotated[
-        Optional[Path], typer.Option(help="HF checkpoint dir; none: the built-in model.")
-    ] = None,
-    max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate.")] = 3,
-    n: Annotated[int, typer.Option(min=1, help="Beam width (1: greedy).")] = 1,
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
-) -> None:
-    """Generate offline (no server) from token ids and print the sequences."""
-    from grctl.cli.generate import generate_offline
-
-    try:
-        ids = [int(t) for t in input_ids.replace(" ", "").split(",") if t]
-    except ValueError as exc:
-        raise typer.BadParameter("input ids must be integers separated by commas") from exc
-    for line in generate_offline(model_path, ids, max_new_tokens, n, device):
-        typer.echo(line)  # tab-separated as made: rich would expand the tabs
 
 
 def show_version(value: bool) -> None:
@@ -106,16 +93,3 @@ def main() -> None:
     if code == EXIT_INTERRUPTED:  # Typer turns Ctrl-C into Exit(130)
         err_console.print("[red]interrupted[/red]")
     sys.exit(code if isinstance(code, int) else EXIT_OK)
-
-
-from grctl.cli import catalog as cli_catalog  # noqa: E402, I001  (other modules' commands)
-
-
-from grctl.cli import sync as cli_sync  # noqa: E402, I001  (other modules' commands)
-
-
-from grctl.cli import serve as cli_serve  # noqa: E402, I001  (other modules' commands)
-
-cli_serve.register(app)
-cli_sync.register(app)
-cli_catalog.register(app)

@@ -10,16 +10,15 @@ shape every client command uses (grctl/cli/output.py; docs/cli.md).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
-from rich.table import Table
-from rich.text import Text
 
-from grctl.cli.output import Json, command_output
-from grctl.cli.servers import ApiKey, Row, Timeout, Urls, console, each_server, finish
+from grctl.cli.options import ApiKey, Json, Timeout, Urls
+from grctl.cli.output import command_output, console
+from grctl.cli.report import catalog_table, checks_table
+from grctl.cli.servers import Row, each_server, finish
 from grctl.errors import ValidationError
 
 catalog_app = typer.Typer(
@@ -28,29 +27,15 @@ catalog_app = typer.Typer(
 )
 
 
-def table_of(title: str) -> Callable[[list[Row]], None]:
-    # reply field -> column header (short, so a row fits 80 columns)
-    keys = {"version": "version", "num_items": "items", "num_paths": "paths",
-            "max_depth": "depth", "nbytes": "bytes", "source": "source"}  # fmt: skip
-
-    def show(rows: list[Row]) -> None:
-        if not rows:  # every server failed: the error lines say it all
-            return
-        table = Table(title=title)
-        table.add_column("server", overflow="fold")
-        for header in keys.values():
-            table.add_column(header, overflow="fold")
-        for url, reply in rows:
-            table.add_row(url, *(Text(str(getattr(reply, k, ""))) for k in keys))
-        console.print(table)
-
-    return show
-
-
 def on_servers(name: str, urls, api_key, timeout: float, as_json: bool, call) -> None:
     """Call every server; --json: the shared document (grctl/cli/output.py), else a table."""
+
+    def show(rows: list[Row]) -> None:
+        if rows:  # every server failed: the error lines say it all
+            console.print(catalog_table(f"catalog {name}", rows))
+
     with command_output(f"catalog {name}", as_json) as out:
-        finish(out, each_server(urls, api_key, timeout, call), table_of(f"catalog {name}"))
+        finish(out, each_server(urls, api_key, timeout, call), show)
 
 
 @catalog_app.command("status")
@@ -92,17 +77,8 @@ def validate(
 ):
     """Check a catalog file here (no server); exit 1 if a server would refuse it."""
     report = run_validate(str(path), vocab_size, model_path)
-
-    def show() -> None:
-        table = Table(title=f"catalog {path}")
-        table.add_column("check")
-        table.add_column("value")
-        for k, v in report.items():
-            table.add_row(k, Text(json.dumps(v) if isinstance(v, (dict, list)) else str(v)))
-        console.print(table)
-
     with command_output("catalog validate", json_) as out:
-        out.emit(report, human=show)
+        out.emit(report, human=lambda: console.print(checks_table(f"catalog {path}", report)))
     if not report["ok"]:
         raise typer.Exit(1)
 
@@ -154,7 +130,3 @@ def vocab_of(model_path: Path) -> int:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         msg = f"cannot read vocab_size from {model_path}/config.json: {exc}"
         raise ValidationError(msg) from None
-
-
-def register(app: typer.Typer) -> None:
-    app.add_typer(catalog_app, name="catalog")

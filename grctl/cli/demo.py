@@ -3,7 +3,8 @@
 Starts `grctl serve` on the built-in model (--allow-weight-update, a free loopback port),
 generates, pushes a perturbed copy of the model by the tensor path, verifies it, restores the
 original by the disk path, verifies again, and prints versions, outputs and timings. Any step
-that fails raises GrctlError (exit 1).
+that fails raises GrctlError (exit 1). torch and the sync are imported inside the functions, so
+that the other commands and --help do without them.
 """
 
 from __future__ import annotations
@@ -18,17 +19,25 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Annotated
 
-import torch
+import typer
 from rich.console import Console
 from rich.table import Table
 
+from grctl.cli.output import console
 from grctl.client.http import GRClient
-from grctl.client.sync import WeightSync
 from grctl.errors import GrctlError
 
 PROMPT = [1, 17, 300, 600, 900]  # bos, a text token, then one semantic ID
 MAX_NEW_TOKENS = 6
+
+
+def demo(
+    device: Annotated[str, typer.Option(help="Device of the demo server.")] = "cpu",
+) -> None:
+    """Start a server, generate, push perturbed weights (tensor), restore them (disk), verify."""
+    run_demo(console, device=device)
 
 
 def free_port() -> int:
@@ -94,6 +103,8 @@ def demo_server(
 
 def write_checkpoints(root: Path) -> tuple[Path, Path]:
     """The built-in model as an HF checkpoint, and a perturbed copy of it."""
+    import torch
+
     from grctl.weights.loader import export_hf, load_model
 
     model = load_model(None)
@@ -107,6 +118,8 @@ def write_checkpoints(root: Path) -> tuple[Path, Path]:
 
 def run_demo(console: Console, device: str = "cpu") -> list[tuple]:
     """Returns the table rows (step, version, output ids, seconds) it printed."""
+    from grctl.client.sync import WeightSync
+
     rows: list[tuple] = []
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="grctl-demo-") as tmp:
@@ -145,6 +158,8 @@ def run_demo(console: Console, device: str = "cpu") -> list[tuple]:
 
 def write_catalog(path: Path, num_items: int = 2000) -> dict[tuple[int, ...], str]:
     """Items of the built-in model's three semantic-ID levels; {token path: item id}."""
+    import torch
+
     from grctl.model.builtin import NUM_TEXT_TOKENS, SID_CODES, SID_LEVELS
 
     gen = torch.Generator().manual_seed(11)

@@ -1,4 +1,5 @@
-"""What the client commands print: Rich for people, or one JSON document for scripts (--json).
+"""What the commands print: Rich for people (the two consoles), or one JSON document for scripts
+(--json), and the exit codes.
 
     def status(url: Urls = None, json: Json = False) -> None:
         with command_output("status", json) as out:
@@ -19,24 +20,20 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
-import typer
+from rich.console import Console
 
 from grctl.errors import GrctlError
+
+console = Console()
+err_console = Console(stderr=True)  # progress, hints and the red error line
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # a server answered an error, could not be reached, or a sync/verify failed
 EXIT_USAGE = 2  # a bad flag or value: nothing was sent
 EXIT_INTERRUPTED = 130  # Ctrl-C / SIGINT (128 + 2, as shells report it)
-
-Json = Annotated[
-    bool,
-    typer.Option(
-        "--json", help="Print one JSON document on stdout (for scripts); same exit codes."
-    ),
-]
 
 
 def to_builtins(obj: Any) -> Any:

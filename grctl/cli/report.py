@@ -1,7 +1,8 @@
-"""Rich output for the client commands: the push progress bar and the summary tables."""
+"""Rich output for the client commands: the push progress bar, the summaries and the tables."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -18,6 +19,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 from rich.table import Table
+from rich.text import Text
 
 from grctl.client import outcome
 from grctl.protocol.info import ServerStatus
@@ -215,4 +217,30 @@ def status_view(url: str, status: ServerStatus) -> Table:
             else ""
         ),
     )
+    return table
+
+
+# catalog reply field -> column header (short, so a row fits 80 columns)
+CATALOG_COLUMNS = {"version": "version", "num_items": "items", "num_paths": "paths",
+                   "max_depth": "depth", "nbytes": "bytes", "source": "source"}  # fmt: skip
+
+
+def catalog_table(title: str, rows: list[tuple[str, Any]]) -> Table:
+    """One row per server: the catalog it serves."""
+    table = Table(title=title)
+    table.add_column("server", overflow="fold")
+    for header in CATALOG_COLUMNS.values():
+        table.add_column(header, overflow="fold")
+    for url, reply in rows:
+        table.add_row(url, *(Text(str(getattr(reply, k, ""))) for k in CATALOG_COLUMNS))
+    return table
+
+
+def checks_table(title: str, checks: dict[str, Any]) -> Table:
+    """`catalog validate`: one row per check, a dict or list value as JSON."""
+    table = Table(title=title)
+    table.add_column("check")
+    table.add_column("value")
+    for k, v in checks.items():
+        table.add_row(k, Text(json.dumps(v) if isinstance(v, (dict, list)) else str(v)))
     return table

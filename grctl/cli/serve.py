@@ -90,7 +90,3 @@ def serve(**values: Any) -> None:
 serve.__signature__ = inspect.Signature(serve_parameters())  # type: ignore[attr-defined]
 serve.__annotations__ = {p.name: p.annotation for p in serve.__signature__.parameters.values()}
 serve.__doc__ = SERVE_HELP
-
-
-def register(app: typer.Typer) -> None:
-    app.command("serve")(serve)

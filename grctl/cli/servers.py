@@ -1,58 +1,16 @@
-"""What every client command shares: --url, --api-key, --timeout, --verbose, and calling each
-server in turn, then printing the replies (a table, or the --json document of cli_output.py)
-and raising once for the servers that failed. Used by cli_client.py and cli_catalog.py.
-"""
+"""Calling each server in turn for a client command, then printing the replies (a table, or
+the --json document of output.py) and raising once for the servers that failed."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Any, Optional
-
-import typer
-from rich.console import Console
+from typing import Any
 
 from grctl.cli import report
-from grctl.cli.output import Output, to_builtins
+from grctl.cli.output import Output, console, to_builtins
 from grctl.client import outcome
-from grctl.client.http import DEFAULT_URL, GRClient, normalize_url
+from grctl.client.http import DEFAULT_URL, GRClient
 from grctl.errors import GrctlError
-
-console = Console()
-err_console = Console(stderr=True)
-
-
-def normalize_urls(urls: list[str] | None) -> list[str] | None:
-    try:
-        return None if urls is None else [normalize_url(u) for u in urls]
-    except GrctlError as exc:
-        raise typer.BadParameter(str(exc)) from None
-
-
-Urls = Annotated[
-    Optional[list[str]],
-    typer.Option(
-        "--url",
-        callback=normalize_urls,
-        envvar="GR_URL",
-        metavar="URL",
-        show_default=False,
-        help=f"Server URL (default {DEFAULT_URL}); repeat for a fleet. GR_URL: space-separated.",
-    ),
-]
-ApiKey = Annotated[
-    Optional[str],
-    typer.Option(
-        envvar=["GR_API_KEY", "GR_HTTP_API_KEY"],
-        show_default=False,
-        metavar="KEY",
-        help="The servers' API key (GR_API_KEY; GR_HTTP_API_KEY still read).",
-    ),
-]
-Timeout = Annotated[
-    float, typer.Option(min=0.1, metavar="SECONDS", help="Seconds to wait for each reply.")
-]
-Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Every detail, per server.")]
-
 
 Row = tuple[str, Any]  # (url, the reply, or the GrctlError it raised)
 

@@ -1,10 +1,8 @@
-"""Client commands: push, pause, resume, flush, status, verify, demo.
+"""`grctl push | verify`: a WeightSync with its progress bar and summary, and the sha256
+comparison of every served tensor with a checkpoint's.
 
-Each command is a thin Typer signature over a plain `run_*` function. Failures raise GrctlError:
-`grctl.cli.main` prints it as one red line (traceback with GRCTL_DEBUG=1) and exits 1; usage
-errors exit 2, Ctrl-C 130. Every command takes --url (repeatable, env GR_URL), --api-key (env
-GR_API_KEY, or the older GR_HTTP_API_KEY) and --json (one JSON document on stdout, through
-grctl/cli/output.py). Registered onto the app by `register(app)` at the end of grctl/cli/app.py.
+Failures raise GrctlError (main() in app.py prints one red line, exit 1); a push stopped by
+Ctrl-C or SIGTERM exits 130 / 143 after naming what it left on each server.
 """
 
 from __future__ import annotations
@@ -22,20 +20,9 @@ import typer
 from rich.markup import escape
 
 from grctl.cli import report
-from grctl.cli.output import Json, command_output, to_builtins
-from grctl.cli.servers import (
-    ApiKey,
-    Row,
-    Timeout,
-    Urls,
-    Verbose,
-    console,
-    each_server,
-    err_console,
-    finish,
-    replies,
-    server_doc,
-)
+from grctl.cli.options import ApiKey, Json, PauseMode, Timeout, Urls, Verbose
+from grctl.cli.output import command_output, console, err_console, to_builtins
+from grctl.cli.servers import each_server, server_doc
 from grctl.client import outcome
 from grctl.errors import GrctlError
 
@@ -49,44 +36,6 @@ TRANSPORT_HELP = (
     "tensor: this process stages buckets on the server's device (shared memory or CUDA IPC); "
     "disk: the servers read the checkpoint path themselves."
 )
-
-
-class PauseMode(str, Enum):
-    abort = "abort"
-    retract = "retract"
-    in_place = "in_place"
-
-
-def run_pause(urls, mode: str, api_key=None, timeout: float = 30.0, as_json=False) -> None:
-    with command_output("pause", as_json) as out:
-        rows = each_server(urls, api_key, timeout, lambda gr: gr.pause_generation(mode))
-        finish(out, rows, replies(f"pause_generation (mode={mode})"))
-
-
-def run_resume(urls, api_key=None, timeout: float = 30.0, as_json=False) -> None:
-    with command_output("resume", as_json) as out:
-        rows = each_server(urls, api_key, timeout, lambda gr: gr.continue_generation())
-        finish(out, rows, replies("continue_generation"))
-
-
-def run_flush(
-    urls, retries: int, interval: float, api_key=None, timeout: float = 30.0, as_json=False
-) -> None:
-    with command_output("flush", as_json) as out:
-        rows = each_server(
-            urls, api_key, timeout, lambda gr: gr.flush_cache_until_ok(retries, interval)
-        )
-        finish(out, rows, replies("flush_cache"))
-
-
-def run_status(urls, api_key=None, timeout: float = 30.0, as_json=False) -> None:
-    def show(rows: list[Row]) -> None:
-        for url, status in rows:
-            console.print(report.status_view(url, status))
-
-    with command_output("status", as_json) as out:
-        rows = each_server(urls, api_key, timeout, lambda gr: gr.status())
-        finish(out, rows, show, as_doc=lambda st: {**st.sections, "weights": st.weights})
 
 
 def run_verify(urls, checkpoint: Path, api_key=None, timeout: float = 120.0, as_json=False):
@@ -295,43 +244,6 @@ def push(
     )
 
 
-def pause(
-    url: Urls = None,
-    mode: PauseMode = PauseMode.abort,
-    api_key: ApiKey = None,
-    timeout: Timeout = 30,
-    json: Json = False,
-) -> None:
-    """Pause generation (abort, retract or in_place)."""
-    run_pause(url, mode.value, api_key, timeout, json)
-
-
-def resume(
-    url: Urls = None, api_key: ApiKey = None, timeout: Timeout = 30, json: Json = False
-) -> None:
-    """Resume generation (continue_generation)."""
-    run_resume(url, api_key, timeout, json)
-
-
-def flush(
-    url: Urls = None,
-    retries: Annotated[int, typer.Option(min=1, help="Tries before giving up.")] = 60,
-    interval: Annotated[float, typer.Option(min=0, help="Seconds between tries.")] = 1.0,
-    api_key: ApiKey = None,
-    timeout: Timeout = 30,
-    json: Json = False,
-) -> None:
-    """Flush the prefill cache, retrying while requests still hold KV (slime's loop)."""
-    run_flush(url, retries, interval, api_key, timeout, json)
-
-
-def status(
-    url: Urls = None, api_key: ApiKey = None, timeout: Timeout = 30, json: Json = False
-) -> None:
-    """Show each server's state in a few lines (--json: all of /status)."""
-    run_status(url, api_key, timeout, json)
-
-
 def verify(
     checkpoint: Annotated[Path, typer.Option(help="HF checkpoint directory to compare with.")],
     url: Urls = None,
@@ -341,17 +253,3 @@ def verify(
 ) -> None:
     """Compare every served tensor's sha256 with the checkpoint's (exit 1 on a mismatch)."""
     run_verify(url, checkpoint, api_key, timeout, json)
-
-
-def demo(
-    device: Annotated[str, typer.Option(help="Device of the demo server.")] = "cpu",
-) -> None:
-    """Start a server, generate, push perturbed weights (tensor), restore them (disk), verify."""
-    from grctl.cli.demo import run_demo
-
-    run_demo(console, device=device)
-
-
-def register(app: typer.Typer) -> None:
-    for fn in (push, pause, resume, flush, status, verify, demo):
-        app.command(fn.__name__)(fn)
