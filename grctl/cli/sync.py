@@ -24,14 +24,10 @@ from grctl.cli.options import ApiKey, Json, PauseMode, Timeout, Urls, Verbose
 from grctl.cli.output import command_output, console, err_console, to_builtins
 from grctl.cli.servers import each_server, server_doc
 from grctl.client import outcome
+from grctl.client.outcome import TRANSPORTS
 from grctl.errors import GrctlError
 
-
-class Transport(str, Enum):
-    tensor = "tensor"
-    disk = "disk"
-
-
+Transport = Enum("Transport", {t: t for t in TRANSPORTS}, type=str, module=__name__)
 TRANSPORT_HELP = (
     "tensor: this process stages buckets on the server's device (shared memory or CUDA IPC); "
     "disk: the servers read the checkpoint path themselves."

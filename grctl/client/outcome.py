@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from grctl.errors import GrctlError, Unauthorized
 
 STAGES = ("connect", "plan", "pause", "flush", "push", "continue", "verify")
+TRANSPORTS = ("tensor", "disk")  # WeightSync(transport=...)
 
 
 @dataclass
@@ -107,7 +108,7 @@ class Progress:
 @dataclass
 class SyncResult:
     weight_version: str | None
-    transport: str
+    transport: str  # one of TRANSPORTS
     checkpoint: str
     servers: list[ServerOutcome]
     num_buckets: int = 0

@@ -24,6 +24,7 @@ from pathlib import Path
 from grctl.client import devices, staging
 from grctl.client.http import DEFAULT_URL, GRClient
 from grctl.client.outcome import (
+    TRANSPORTS,
     Progress,
     ServerOutcome,
     SyncError,
@@ -38,8 +39,6 @@ from grctl.client.verify import compare_servers, dtype_of, read_server
 from grctl.errors import GrctlError, ValidationError
 from grctl.protocol.weights import version_str
 from grctl.weights.checkpoint import Checkpoint
-
-TRANSPORTS = ("tensor", "disk")
 
 
 class WeightSync:
