@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from grctl.client.http import DEFAULT_URL, normalize_url
+from grctl.engine.gate import PAUSE_MODES
 from grctl.errors import GrctlError
 
 
@@ -51,7 +52,4 @@ Json = Annotated[
 ]
 
 
-class PauseMode(str, Enum):
-    abort = "abort"
-    retract = "retract"
-    in_place = "in_place"
+PauseMode = Enum("PauseMode", {m: m for m in PAUSE_MODES}, type=str, module=__name__)

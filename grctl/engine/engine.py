@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from grctl.engine.executor import Executor
-from grctl.engine.gate import Gate
+from grctl.engine.gate import PAUSE_MODES, Gate
 from grctl.engine.kv_cache import kv_bytes_budget, request_kv_bytes
 from grctl.engine.memory import MemorySaver
 from grctl.engine.model_runner import ModelRunner
@@ -44,8 +44,6 @@ if TYPE_CHECKING:
     from grctl.engine.config import EngineConfig
 
 log = logging.getLogger("grctl.engine")
-
-PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 class Engine:

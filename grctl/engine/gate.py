@@ -34,6 +34,8 @@ _PUSH_ALL = "push a complete weight update"
 
 Refusal = tuple[str, Callable[[], GrctlError]]  # (the /ready reason, a maker of the error)
 
+PAUSE_MODES = ("abort", "retract", "in_place")  # what pause_mode holds while paused
+
 
 def mode_done(mode: str) -> str:
     return {"abort": "aborted", "retract": "retracted"}.get(mode, "frozen")
