@@ -134,7 +134,7 @@ def test_server_killed_mid_push(fleet, ckpts):
         doomed.proc.kill()
         stdout, stderr = push.communicate(timeout=120)
     assert push.returncode == 1, stdout + stderr
-    assert doomed.url in stderr and "failed on 1 of 3" in stderr
+    assert doomed.url in stderr and "failed on 1 of 3" in stderr, stderr
     want = hf_generate(ckpts[1], PROMPT, NEW_TOKENS)
     for srv in (fleet[0], fleet[1]):
         with GRClient(srv.url) as gr:
