@@ -138,6 +138,13 @@ class GenerateTimeout(GrctlError):
     code, status, retryable = "generate_timeout", 504, True
 
 
+class NotSupported(GrctlError):
+    """A route SGLang serves for a transport or feature grctl does not have (RDMA, LoRA, ...):
+    the message names what to use instead."""
+
+    code, status = "not_supported", 501
+
+
 class RouterError(GrctlError):
     """An sglang-router refused a registry call, could not be reached, or answered something
     that is not its worker list (raised by a replica joining it and by a fleet push reading it;
@@ -169,6 +176,7 @@ ERRORS_BY_CODE: dict[str, type[GrctlError]] = {
         Unavailable,
         ClientDisconnected,
         GenerateTimeout,
+        NotSupported,
     )
 }
 

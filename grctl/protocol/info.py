@@ -32,6 +32,14 @@ class LoadsResponse(Struct, kw_only=True):
 class ServerInfo(Struct, kw_only=True):
     model_path: str = ""
     weight_version: str = ""
+    # Where it serves and on which device, as SGLang's ServerArgs names them (miles compares
+    # each with what it computed for an external engine): one node, one GPU (or the CPU).
+    host: str = ""
+    port: int = 0
+    nnodes: int = 1
+    node_rank: int = 0
+    base_gpu_id: int = 0  # the device index (0 on the CPU)
+    gpu_id_step: int = 1
     tp_size: int = 1
     dp_size: int = 1
     pp_size: int = 1
@@ -51,6 +59,26 @@ class ServerInfo(Struct, kw_only=True):
     enable_prefill_cache: bool = False
     allow_weight_update: bool = False
     version: str = ""
+
+
+class ParallelismConfig(Struct, kw_only=True):
+    """GET /parallelism_config?rank=0 (sglang-miles' fields): one rank serving everything."""
+
+    tp_size: int = 1
+    tp_rank: int = 0
+    pp_size: int = 1
+    pp_rank: int = 0
+    ep_size: int = 1
+    ep_rank: int = 0
+    moe_tp_size: int = 1
+    moe_tp_rank: int = 0
+    attn_tp_size: int = 1
+    attn_tp_rank: int = 0
+    attn_dp_size: int = 1
+    attn_dp_rank: int = 0
+    world_size: int = 1
+    global_rank: int = 0
+    local_rank: int = 0
 
 
 class ModelInfo(Struct, kw_only=True):

@@ -10,6 +10,8 @@ from msgspec import Meta, Struct
 
 Version = str | int | float | None
 DEFAULT_GROUP = "weight_update_group"  # SGLang's default process-group name
+# SGLang's runner selectors that name grctl's one model (it has no draft model).
+SELECTORS = ("all", "target")
 
 
 def version_str(v: Version) -> str | None:
@@ -51,7 +53,7 @@ class StatusWeights(WeightVersionResponse, kw_only=True):
 
 
 class BeginWeightUpdateBody(Struct, kw_only=True):
-    selector: str = "all"  # SGLang's runner selector; grctl serves one model, so only "all"
+    selector: str = "all"  # SGLang's runner selector: one of SELECTORS
 
 
 class UpdateWeightVersionBody(Struct, kw_only=True):
@@ -75,7 +77,10 @@ class GetWeightsResponse(Struct, kw_only=True):
 
 
 class WeightsCheckerBody(Struct, kw_only=True):
-    action: str | None = None  # snapshot | reset_tensors | compare | checksum
+    action: str = "checksum"  # snapshot | reset_tensors | compare | checksum (SGLang's default)
+    allow_quant_error: bool = False  # grctl holds no quantized weights: compare is exact
+    skip_tensor_list: list[str] | None = None  # name substrings left out of reset/compare/checksum
+    selector: str = "all"  # one of SELECTORS
 
 
 class TensorChecksum(Struct, kw_only=True):
@@ -84,12 +89,37 @@ class TensorChecksum(Struct, kw_only=True):
     shape: list[int] = msgspec.field(default_factory=list)
 
 
+class ParallelismRole(Struct, kw_only=True):
+    """One runner's place in SGLang's parallelism: grctl's one model on its one rank."""
+
+    role: str = "target"
+    tp_rank: int = 0
+    tp_size: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    rank: int = 0
+    size: int = 1
+
+
+class RankChecksums(Struct, kw_only=True):
+    """SGLang's per-rank checksum record (miles' checksum reader takes these from `ranks`)."""
+
+    checksums: dict[str, str] = msgspec.field(default_factory=dict)  # HF name -> sha256 hex
+    per_gpu_checksum: str = ""  # sha256 over the sorted (name, checksum) pairs
+    parallelism_info: list[ParallelismRole] = msgspec.field(default_factory=list)
+
+
 class WeightsCheckerResponse(Struct, kw_only=True):
     success: bool = True
     message: str = ""
     weight_version: str | None = None
     algorithm: str | None = None
     tensors: dict[str, TensorChecksum] = msgspec.field(default_factory=dict)  # checksum only
+    # checksum only, SGLang 0.5.23's shape: one entry per rank (one here), and their digest
+    ranks: list[RankChecksums] | None = None
+    per_engine_checksum: str | None = None
 
 
 class StrictWeightsCheckerResponse(WeightsCheckerResponse, kw_only=True, omit_defaults=True):
@@ -111,6 +141,7 @@ class UpdateFromDiskBody(Struct, kw_only=True):
 class UpdateFromTensorBody(Struct, kw_only=True):
     serialized_named_tensors: list[Any] | None = None  # one entry per TP rank; entry 0 is ours
     load_format: str | None = None  # flattened_bucket | direct | None
+    selector: str = "all"  # one of SELECTORS
     weight_version: Version = None
     token_step: int | str | None = None
     flush_cache: bool = True
@@ -144,6 +175,7 @@ class UpdateFromDistributedBody(Struct, kw_only=True):
     shapes: list[list[int]] = msgspec.field(default_factory=list)
     group_name: str = DEFAULT_GROUP
     load_format: str | None = None
+    selector: str = "all"  # one of SELECTORS
     weight_version: Version = None
     token_step: int | str | None = None
     flush_cache: bool = True

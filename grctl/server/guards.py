@@ -1,5 +1,6 @@
 """What the routes check before they run, shared by their modules: the switches that turn route
-groups on (--allow-weight-update, --allow-catalog-reload) and the weights being held."""
+groups on (--allow-weight-update, --allow-catalog-reload), the weights being held, and SGLang's
+runner selector."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from litestar.connection import ASGIConnection
 from litestar.datastructures import State
 from litestar.handlers.base import BaseRouteHandler
 
-from grctl.errors import RouteDisabled
+from grctl.errors import RouteDisabled, ValidationError
+from grctl.protocol.weights import SELECTORS
 
 
 def weight_update_guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
@@ -30,3 +32,12 @@ def require_weights(state: State) -> None:
     """Reading or writing the weights while /release_memory_occupation holds them on the host
     is a 503 (the engine refuses a write again under its lock)."""
     state.engine.require_weights("the weights cannot be read or written")
+
+
+def check_selector(selector: str) -> None:
+    """SGLang's `selector` picks the target model, its draft model, or both: grctl has one."""
+    if selector not in SELECTORS:
+        raise ValidationError(
+            f"selector {selector!r} is not served: grctl has one model and no draft model",
+            hint="send 'all' or 'target'",
+        )

@@ -5,9 +5,15 @@ GET /openapi.json (also /schema/openapi.json) is the document; GET /docs is Swag
 scripts and styles come from the swagger-ui-bundle package and are served here under
 /docs/assets, so the page renders on an air-gapped machine (Litestar's defaults load them from
 a CDN). Neither needs the API key: the document describes routes, it exposes no data.
+
+Litestar's OpenAPI router also adds a GET `/{path:str}` that answers an HTML 404 page: mounted
+at the root, it would catch every unknown one-segment route (an unknown POST then answered 405).
+DocsRouter leaves it out, so an unknown route is Litestar's own 404, in grctl's error shape.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from litestar import Router
 from litestar.openapi import OpenAPIConfig
@@ -41,6 +47,15 @@ def error_responses(*statuses: int) -> dict[int, ResponseSpec]:
     }
 
 
+class DocsRouter(Router):
+    """The router the OpenAPI plugin fills, without its catch-all 404 page."""
+
+    def register(self, value: Any) -> list:
+        if "/{path:str}" in getattr(value, "paths", ()):
+            return []
+        return super().register(value)
+
+
 def openapi_config() -> OpenAPIConfig:
     swagger = SwaggerRenderPlugin(
         path="/docs",
@@ -53,7 +68,7 @@ def openapi_config() -> OpenAPIConfig:
         title="grctl",
         version=grctl.__version__,
         render_plugins=[swagger, JsonRenderPlugin(path=["/openapi.json", "/schema/openapi.json"])],
-        openapi_router=Router(path="/", route_handlers=[], opt=EXEMPT, include_in_schema=False),
+        openapi_router=DocsRouter(path="/", route_handlers=[], opt=EXEMPT, include_in_schema=False),
     )
 
 

@@ -138,12 +138,13 @@ class WeightUpdater:
                 raise self.engine.mixed_error(WeightsMixedConflict)
             return f"weight update session ended; {self.versions.describe_mix()}"
 
-    def reset_tensors(self) -> int:
-        """weights_checker reset_tensors: overwrite every parameter with noise, in place."""
+    def reset_tensors(self, skip: list[str] | None = None) -> int:
+        """weights_checker reset_tensors: overwrite every tensor not in `skip` (name substrings)
+        with noise, in place."""
         from grctl.weights.checker import WeightsChecker
 
         with self._lock, self.engine.exclusive(False):
-            n = WeightsChecker.reset_tensors(self.model)
+            n = WeightsChecker.reset_tensors(self.model, skip)
             consistent = self.engine.is_weights_consistent
             self.engine.weights_written(None, self.versions.mix(), consistent=consistent)
             return n

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from litestar import Response, get, post
+from litestar import Request, Response, get, post
 from litestar.datastructures import State
 from litestar.enums import MediaType
 from litestar.params import Body, Parameter
 
 import grctl
 from grctl.engine.request import GenerateRequest, SamplingParams, new_request_id
-from grctl.errors import CacheBusy, GrctlError, NotReady
+from grctl.errors import CacheBusy, GrctlError, NotReady, ValidationError
 from grctl.model.device import gpu_uuid
 from grctl.model.dtypes import name_of
 from grctl.protocol.info import (
@@ -20,6 +20,7 @@ from grctl.protocol.info import (
     HealthResponse,
     LoadsResponse,
     ModelInfo,
+    ParallelismConfig,
     ReadyResponse,
     ServerInfo,
     StrictFlushCacheResponse,
@@ -90,13 +91,32 @@ async def loads(state: State) -> LoadsResponse:
     )
 
 
-@get(["/server_info", "/get_server_info"], summary="Server arguments slime reads at start")
-async def server_info(state: State) -> ServerInfo:
+WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+
+
+def served_host(state: State, request: Request) -> str:
+    """The host the server is bound to; bound to every interface, the address this request
+    reached (what a client that dialled an address will compare with, as miles does)."""
+    host = state.config.host
+    local = request.scope.get("server")
+    if host in WILDCARD_HOSTS and local:
+        return str(local[0])
+    return host
+
+
+@get(
+    ["/server_info", "/get_server_info"],
+    summary="Server arguments slime and miles read at start",
+)
+async def server_info(state: State, request: Request) -> ServerInfo:
     cfg, model = state.config.engine, state.engine.model
     param = next(model.parameters())
     return ServerInfo(
         model_path=state.model_path,
         weight_version=state.engine.weight_version,
+        host=served_host(state, request),
+        port=state.config.port,
+        base_gpu_id=param.device.index or 0,
         device=str(param.device),
         gpu_uuid=gpu_uuid(param.device),
         dtype=name_of(param.dtype),
@@ -111,6 +131,16 @@ async def server_info(state: State) -> ServerInfo:
         allow_weight_update=state.config.allow_weight_update,
         version=grctl.__version__,
     )
+
+
+@get("/parallelism_config", summary="This server's place in SGLang's parallelism (one rank)")
+async def parallelism_config(rank: int = Parameter(default=0)) -> ParallelismConfig:
+    if rank != 0:
+        raise ValidationError(
+            f"rank {rank} does not exist: grctl serves on one rank (tp=dp=pp=ep=1)",
+            hint="ask for rank=0",
+        )
+    return ParallelismConfig()
 
 
 @get(["/model_info", "/get_model_info"], summary="The served model and its weight version")
@@ -201,6 +231,7 @@ info_routes = [
     metrics,
     loads,
     server_info,
+    parallelism_config,
     model_info,
     health_generate,
     flush_cache_get,

@@ -31,7 +31,7 @@ from grctl.protocol.weights import (
 )
 from grctl.server import logs
 from grctl.server.exceptions import SGLANG_ERRORS
-from grctl.server.guards import require_weights, weight_update_guard
+from grctl.server.guards import check_selector, require_weights, weight_update_guard
 from grctl.server.offload import offload
 from grctl.weights import disk, distributed, tensor
 from grctl.weights.process_group import GroupRegistry, check_init_args
@@ -93,6 +93,7 @@ async def update_weights_from_tensor(
     body = data or UpdateFromTensorBody()
     if body.serialized_named_tensors is None:
         raise ValidationError("serialized_named_tensors is required")
+    check_selector(body.selector)
     refuse_custom_loader(body.load_format)
     require_weights(state)
     outcome = await offload(
@@ -204,6 +205,7 @@ async def update_weights_from_distributed(
     state: State, data: Annotated[UpdateFromDistributedBody | None, Body()] = None
 ) -> SuccessResponse:
     body = data or UpdateFromDistributedBody()
+    check_selector(body.selector)
     require_weights(state)
     specs = distributed.parse_specs(body.names, body.dtypes, body.shapes)
     outcome = await offload(

@@ -24,8 +24,10 @@ from grctl.protocol.weights import (
     ContinueResponse,
     GetWeightsBody,
     GetWeightsResponse,
+    ParallelismRole,
     PauseBody,
     PauseResponse,
+    RankChecksums,
     StrictWeightsCheckerResponse,
     SuccessResponse,
     TensorChecksum,
@@ -38,7 +40,7 @@ from grctl.protocol.weights import (
 )
 from grctl.server import logs
 from grctl.server.exceptions import SGLANG_ERRORS
-from grctl.server.guards import require_weights, weight_update_guard
+from grctl.server.guards import check_selector, require_weights, weight_update_guard
 from grctl.server.offload import offload
 from grctl.server.params import merged_params
 from grctl.weights import checker
@@ -86,9 +88,7 @@ async def get_weight_version(state: State) -> WeightVersionResponse:
 async def begin_weight_update(
     state: State, data: Annotated[BeginWeightUpdateBody | None, Body()] = None
 ) -> SuccessResponse:
-    selector = (data or BeginWeightUpdateBody()).selector
-    if selector != "all":
-        raise ValidationError(f"selector {selector!r} is not served; grctl has one model: 'all'")
+    check_selector((data or BeginWeightUpdateBody()).selector)
     await offload(state, state.updater.begin_session)
     return SuccessResponse(success=True, message="weight update session opened")
 
@@ -137,34 +137,33 @@ async def get_weights_by_name(state: State, request: Request) -> GetWeightsRespo
     return GetWeightsResponse(parameter=await offload(state, state.updater.read, read))
 
 
-@post(
+@route(
     "/weights_checker",
+    http_method=["GET", "POST"],
     status_code=200,
-    summary="snapshot | reset_tensors | compare | checksum",
+    summary="checksum (the default) | snapshot | reset_tensors | compare",
 )
-async def weights_checker(
-    state: State, data: Annotated[WeightsCheckerBody | None, Body()] = None
-) -> WeightsCheckerResponse:
-    action = (data or WeightsCheckerBody()).action
+async def weights_checker(state: State, request: Request) -> WeightsCheckerResponse:
+    try:  # a JSON body, or the query of a GET
+        body = msgspec.convert(await merged_params(request), WeightsCheckerBody, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ValidationError(f"bad weights_checker body: {exc}") from exc
+    action, skip = body.action, body.skip_tensor_list
+    check_selector(body.selector)
     require_weights(state)
     model, wc, read = state.engine.model, state.weights_checker, state.updater.read
     # Each read runs between updates (the updater's lock), in a worker thread.
     if action == "checksum":
-        sums = await offload(state, read, checker.checksums, model)
-        return StrictWeightsCheckerResponse(
-            success=True,
-            weight_version=state.engine.weight_version,
-            algorithm=checker.ALGORITHM,
-            tensors={k: TensorChecksum(**v) for k, v in sums.items()},
-        )
+        sums = await offload(state, read, checker.checksums, model, skip)
+        return checksum_response(state, sums)
     if action == "snapshot":
         n = await offload(state, read, wc.snapshot, model)
         return StrictWeightsCheckerResponse(success=True, message=f"snapshot of {n} parameters")
     if action == "reset_tensors":
-        n = await offload(state, state.updater.reset_tensors)
-        return StrictWeightsCheckerResponse(success=True, message=f"reset {n} parameters")
+        n = await offload(state, state.updater.reset_tensors, skip)
+        return StrictWeightsCheckerResponse(success=True, message=f"reset {n} tensors")
     if action == "compare":
-        bad = await offload(state, read, wc.compare, model)
+        bad = await offload(state, read, wc.compare, model, skip)
         if bad:
             raise ValidationError(
                 f"{len(bad)} parameter(s) differ from the snapshot: " + ", ".join(bad[:16])
@@ -173,7 +172,27 @@ async def weights_checker(
             success=True, message="all parameters equal the snapshot"
         )
     raise ValidationError(
-        f"unknown action {action!r}; use snapshot, reset_tensors, compare or checksum"
+        f"unknown action {action!r}; use checksum, snapshot, reset_tensors or compare"
+    )
+
+
+def checksum_response(state: State, sums: dict[str, dict]) -> StrictWeightsCheckerResponse:
+    """grctl's `tensors` (sha256, dtype, shape by HF name) and SGLang 0.5.23's `ranks`: one
+    rank here, whose checksums are the same sha256 digests."""
+    digests = {name: t["sha256"] for name, t in sums.items()}
+    rank = RankChecksums(
+        checksums=digests,
+        per_gpu_checksum=checker.digest_of(digests),
+        parallelism_info=[ParallelismRole()],
+    )
+    return StrictWeightsCheckerResponse(
+        success=True,
+        message="Success.",
+        weight_version=state.engine.weight_version,
+        algorithm=checker.ALGORITHM,
+        tensors={k: TensorChecksum(**v) for k, v in sums.items()},
+        ranks=[rank],
+        per_engine_checksum=checker.digest_of_ranks([rank.per_gpu_checksum]),
     )
 
 
