@@ -39,6 +39,12 @@ class ServeConfig:
     metrics_auth: bool = knob(False, "Require the API key on /metrics too.", "HTTP")
     served_model_name: str | None = knob(None, "Name to report; default: the path.", "Model")
     router_url: str | None = knob(None, "sglang-router to join (leave at exit).", "HTTP")
+    torch_profiler_dir: str | None = knob(
+        None,
+        "Where /start_profile writes traces; default: temp dir.",
+        "HTTP",
+        old_env=("SGLANG_TORCH_PROFILER_DIR",),
+    )
     allow_weight_update: bool = knob(
         False, "Turn on weight-sync routes (else 403).", "Weight updates"
     )

@@ -19,6 +19,7 @@ from grctl.engine.kv_cache import kv_bytes_budget, request_kv_bytes
 from grctl.engine.memory import MemorySaver
 from grctl.engine.model_runner import ModelRunner
 from grctl.engine.prefill_cache import PrefillCache
+from grctl.engine.profiler import StepProfiler
 from grctl.engine.request import GenerateRequest, GenerateResult, new_request_id
 from grctl.engine.results import ResultStore
 from grctl.engine.scheduler import Scheduler
@@ -83,8 +84,15 @@ class Engine:
             recapture=config.cuda_graph,
             on_error=self.stats.record_error,
         )
+        self.profiler = StepProfiler(self.device, self.gate)  # /start_profile, /stop_profile
         self.worker = Worker(
-            self.gate, self.scheduler, self.executor, self.results, self.stats, self.device
+            self.gate,
+            self.scheduler,
+            self.executor,
+            self.results,
+            self.stats,
+            self.device,
+            self.profiler,
         )
 
     # ---- lifecycle ----------------------------------------------------------------------

@@ -15,6 +15,7 @@ import torch
 
 from grctl.engine.executor import Executor
 from grctl.engine.gate import Gate
+from grctl.engine.profiler import StepProfiler
 from grctl.engine.results import ResultStore
 from grctl.engine.scheduler import Scheduler
 from grctl.engine.sequence import Sequence, Status
@@ -33,6 +34,7 @@ class Worker:
         results: ResultStore,
         stats: EngineStats,
         device: torch.device,
+        profiler: StepProfiler,
     ):
         self.gate = gate
         self.scheduler = scheduler
@@ -40,6 +42,7 @@ class Worker:
         self.results = results
         self.stats = stats
         self.device = device
+        self.profiler = profiler  # started and stopped in this thread, between steps
         self._thread: threading.Thread | None = None
         self._step_ids: set[str] = set()  # the requests of the step being computed
 
@@ -68,16 +71,25 @@ class Worker:
         try:
             while True:
                 with self.gate:
-                    self.gate.wait_for(lambda: self.gate.is_stopping or self._has_work(), 1.0)
+                    self.gate.wait_for(
+                        lambda: (
+                            self.gate.is_stopping or self._has_work() or self.profiler.has_command()
+                        ),
+                        1.0,
+                    )
                     if self.gate.is_stopping:
                         return
+                self.profiler.service()
                 try:
-                    if not self.run_step():
+                    if self.run_step():
+                        self.profiler.after_step()
+                    else:
                         time.sleep(0.001)
                 except Exception as exc:  # a bug outside the model step: keep serving
                     log.exception("engine worker step failed")
                     self.stats.record_error(exc)
         finally:
+            self.profiler.close()
             self.gate.worker_running(False)
 
     def _has_work(self) -> bool:
