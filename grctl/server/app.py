@@ -38,6 +38,7 @@ from grctl.server.routes.catalog import catalog_routes
 from grctl.server.routes.generate import generate_routes
 from grctl.server.routes.info import info_routes
 from grctl.server.routes.memory import memory_router
+from grctl.server.routes.openai import openai_routes
 from grctl.server.routes.profile import profile_routes
 from grctl.server.routes.unsupported import unsupported_routes
 from grctl.server.routes.updates import update_router
@@ -98,6 +99,7 @@ def create_app(engine: Any, config: ServeConfig, tokenizer: Any | None = None) -
             update_router,
             memory_router,
             *catalog_routes,
+            *openai_routes,
             *profile_routes,
             *unsupported_routes,
             swagger_assets(),

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from tests.support.appserver import app_server
 from tests.support.serverproc import assert_error
 
 pytestmark = pytest.mark.timeout(120)
@@ -129,6 +130,46 @@ def test_litestar_errors_have_the_shape(http):
     assert "/no/such/route" in err["message"]
     assert_error(http.get("/generate"), 405, "method_not_allowed")
     assert_error(http.delete("/health"), 405, "method_not_allowed")
+    # An unknown route is a 404 whatever the method, one path segment or more (the OpenAPI
+    # router's catch-all page answered GET /x with HTML and POST /x with 405).
+    for method in ("GET", "POST", "PUT", "DELETE"):
+        for path in ("/no_such_route", "/load_lora_adapter_from_somewhere", "/a/b"):
+            assert_error(http.request(method, path, json={}), 404, "not_found")
+    assert http.get("/docs").status_code == 200 and http.get("/openapi.json").status_code == 200
+
+
+def test_server_info_names_where_it_serves(http):
+    body = http.get("/get_server_info").json()
+    assert (body["host"], body["port"]) == ("127.0.0.1", 8000)  # the flags' values
+    assert body["nnodes"] == 1 and body["node_rank"] == 0
+    assert body["base_gpu_id"] == 0 and body["gpu_id_step"] == 1
+
+
+def test_server_info_bound_to_every_interface_names_the_address_reached():
+    with app_server("--host", "0.0.0.0", "--port", "30123") as srv, srv.client() as c:
+        body = c.get("/server_info").json()
+    assert (body["host"], body["port"]) == ("127.0.0.1", 30123)
+
+
+def test_parallelism_config(http):
+    body = http.get("/parallelism_config", params={"rank": 0}).json()
+    sizes = {k: v for k, v in body.items() if k.endswith("_size")}
+    assert set(sizes.values()) == {1} and len(sizes) == 7 and body["world_size"] == 1
+    assert {v for k, v in body.items() if k.endswith("_rank")} == {0}
+    assert http.get("/parallelism_config").json() == body
+    assert_error(http.get("/parallelism_config", params={"rank": 2}), 400, "validation_error")
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["/get_remote_instance_transfer_engine_info", "/pull_weights", "/load_lora_adapter",
+     "/update_weights_from_ipc", "/send_weights_to_remote_instance"],
+)  # fmt: skip
+def test_transports_grctl_lacks_are_501_naming_what_to_use(http, path):
+    for reply in (http.get(path), http.post(path, json={"lora_name": "x"})):
+        err = assert_error(reply, 501, "not_supported")
+        assert path in err["message"] and "/update_weights_from_" in err["message"]
+        assert reply.json()["success"] is False
 
 
 def test_openapi_lists_the_bodies(http):

@@ -37,3 +37,35 @@ def test_malformed_request_bodies(http):
         {"serialized_named_tensors": [5]},
     ):
         assert_error(http.post("/update_weights_from_tensor", json=body), 400, "validation_error")
+
+
+def test_selector_names_the_one_model(http):
+    """SGLang's runner selector: "all" and "target" are grctl's model; it has no draft."""
+    for route, body in (
+        ("/begin_weight_update", {}),
+        ("/weights_checker", {"action": "checksum"}),
+        ("/update_weights_from_tensor", {"serialized_named_tensors": ["x"]}),
+        ("/update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": []}),
+    ):
+        err = assert_error(
+            http.post(route, json={**body, "selector": "draft"}), 400, "validation_error"
+        )
+        assert "draft" in err["message"], route
+    assert http.post("/begin_weight_update", json={"selector": "target"}).status_code == 200
+    assert http.post("/end_weight_update", json={}).status_code == 200
+    assert http.post("/weights_checker", json={"selector": "target"}).json()["ranks"]
+
+
+def test_weights_checker_bodies(http):
+    """SGLang 0.5.23: action defaults to checksum, GET or POST; bad bodies are 400s."""
+    by_get = http.get("/weights_checker").json()
+    assert by_get["ranks"][0]["parallelism_info"] == [
+        {"role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1,
+         "pp_rank": 0, "pp_size": 1, "rank": 0, "size": 1}
+    ]  # fmt: skip
+    assert http.post("/weights_checker").json()["ranks"] == by_get["ranks"]
+    assert by_get["ranks"][0]["checksums"] == {k: v["sha256"] for k, v in by_get["tensors"].items()}
+    for body in ({"action": None}, {"skip_tensor_list": "lm_head"}, {"action": "explode"}):
+        reply = http.post("/weights_checker", json=body)
+        assert_error(reply, 400, "validation_error")
+        assert reply.json()["success"] is False

@@ -20,7 +20,8 @@ RDMA = (
 )
 REMOTE_SOURCE = (
     "grctl cannot send its weights to another instance (SGLang's remote_instance load format)",
-    "load the new instance from the checkpoint with --model-path, or push from the trainer",
+    "start the new instance with --model-path on the checkpoint, or push the trainer's weights "
+    "to it with /update_weights_from_tensor or /update_weights_from_distributed",
 )
 LORA = (
     "grctl serves no LoRA adapters",

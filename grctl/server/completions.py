@@ -1,0 +1,232 @@
+"""Between the OpenAI-compatible routes and the engine: bodies -> GenerateRequests (through the
+tokenizer's chat template for chat), GenerateResults -> choices, replies and SSE chunks.
+
+One request per prompt; its beams are its choices, best first (n == 1: one choice). A choice's
+text is its tokens decoded without the stop token that ended it (SGLang's default); its
+meta_info keeps every token. The chosen tokens' logprobs come with the first choice of each
+request, as /generate's output_token_logprobs do.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from grctl.engine.request import GenerateRequest, GenerateResult, SamplingParams, new_request_id
+from grctl.engine.search.beam import BeamResult
+from grctl.engine.search.logits_processors import parse_logits_processors
+from grctl.errors import ValidationError
+from grctl.protocol.generate import FinishReason
+from grctl.protocol.openai import (
+    ChatCompletionBody,
+    ChoiceMeta,
+    CompletionBody,
+    Metadata,
+    OpenAIBody,
+    Usage,
+)
+
+FINISH_REASONS = {"stop": "stop", "item_complete": "stop", "length": "length", "abort": "abort"}
+
+
+def refuse_unserved(body: OpenAIBody) -> None:
+    """Fields whose non-default value grctl cannot honour: a 400 rather than another answer."""
+    if body.stop:
+        raise ValidationError("stop strings are not supported", hint="send stop_token_ids instead")
+    for name, default in (
+        ("frequency_penalty", 0.0),
+        ("presence_penalty", 0.0),
+        ("repetition_penalty", 1.0),
+    ):
+        if getattr(body, name) != default:
+            raise ValidationError(f"{name} is not supported; leave it at {default}")
+    if body.logit_bias:
+        raise ValidationError(
+            "logit_bias is not supported",
+            hint='send logits_processors: [{"type": "token_bias", "token_bias": {...}}], '
+            "added to log-probabilities, or token_suppress",
+        )
+
+
+def sampling_of(body: OpenAIBody, max_new_tokens: int) -> SamplingParams:
+    return SamplingParams(
+        max_new_tokens=max_new_tokens,
+        n=body.n,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        seed=body.seed,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+        use_catalog=body.use_catalog,
+        logits_processors=parse_logits_processors(body.logits_processors),
+    )
+
+
+def needs_tokenizer(tokenizer: Any | None, what: str) -> Any:
+    if tokenizer is None:
+        raise ValidationError(
+            f"{what} needs a tokenizer in the model directory",
+            hint="send token ids instead, as prompt: [ids] on /v1/completions; or serve a "
+            "--model-path that holds tokenizer files",
+        )
+    return tokenizer
+
+
+def completion_prompts(body: CompletionBody, tokenizer: Any | None) -> list[list[int]]:
+    """The prompt as token rows: text, [text, ...], [id, ...] or [[id, ...], ...]."""
+    prompt = body.prompt
+    if body.suffix:
+        raise ValidationError("suffix is not supported")
+    if prompt is None or prompt == "" or prompt == []:
+        raise ValidationError("prompt is required (text or token ids) and may not be empty")
+    if isinstance(prompt, str):
+        return [list(needs_tokenizer(tokenizer, "a text prompt").encode(prompt))]
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        return [list(prompt)]
+    if all(isinstance(p, str) for p in prompt):
+        tok = needs_tokenizer(tokenizer, "a text prompt")
+        return [list(tok.encode(p)) for p in prompt]
+    if all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompt):
+        return [list(p) for p in prompt]
+    raise ValidationError(
+        "prompt must be a string, a list of strings, a list of token ids, or a list of such lists"
+    )
+
+
+def message_text(content: str | list[dict[str, Any]] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for part in content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ValidationError(
+                f"message content of type {part.get('type')!r} is not supported; send text"
+            )
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def chat_prompt(body: ChatCompletionBody, tokenizer: Any | None) -> list[int]:
+    """The messages through the tokenizer's chat template, with the assistant's turn opened."""
+    if not body.messages:
+        raise ValidationError("messages is required and may not be empty")
+    if body.tools:
+        raise ValidationError("tools are not supported")
+    if body.response_format and body.response_format.get("type") not in (None, "text"):
+        raise ValidationError("only response_format {'type': 'text'} is supported")
+    tok = needs_tokenizer(tokenizer, "chat")
+    if not getattr(tok, "chat_template", None):
+        raise ValidationError(
+            "the model's tokenizer has no chat template",
+            hint="use /v1/completions with the prompt already formatted",
+        )
+    messages = [{"role": m.role, "content": message_text(m.content)} for m in body.messages]
+    text = tok.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, **(body.chat_template_kwargs or {})
+    )
+    return list(tok.encode(text, add_special_tokens=False))
+
+
+def requests_of(
+    body: OpenAIBody, rows: list[list[int]], max_new_tokens: int, logprobs: bool
+) -> list[GenerateRequest]:
+    """One request per prompt; a rid names one prompt, or is rid_0, rid_1, ... for a batch."""
+    sampling = sampling_of(body, max_new_tokens)
+    rids = (
+        [body.rid] if len(rows) == 1 else [body.rid and f"{body.rid}_{i}" for i in range(len(rows))]
+    )
+    return [
+        GenerateRequest(
+            input_ids=tuple(row),
+            sampling=sampling,
+            return_logprob=logprobs,
+            request_id=rid or new_request_id(),
+        )
+        for row, rid in zip(rows, rids, strict=True)
+    ]
+
+
+def decode(ids: list[int], tokenizer: Any | None, skip_special_tokens: bool) -> str:
+    if tokenizer is None:
+        return " ".join(map(str, ids))
+    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def token_text(token_id: int, tokenizer: Any | None) -> str:
+    return str(token_id) if tokenizer is None else tokenizer.decode([token_id])
+
+
+@dataclass
+class Choice:
+    """One beam of one request, as every reply shape reads it."""
+
+    index: int
+    text: str
+    finish_reason: str
+    matched_stop: int | None
+    meta: ChoiceMeta
+    logprobs: list[tuple[str, float]] | None  # (token text, logprob) per output token
+
+
+def choices_of(
+    results: list[GenerateResult], tokenizer: Any | None, skip_special_tokens: bool
+) -> list[Choice]:
+    out: list[Choice] = []
+    for result in results:
+        beams = result.beams or [BeamResult(result.output_ids, 0.0, result.finish_reason)]
+        for rank, beam in enumerate(beams):
+            kind = "abort" if result.finish_reason == "abort" else beam.finish_reason
+            ids = beam.output_ids
+            matched = ids[-1] if kind == "stop" and ids else None
+            shown = ids[:-1] if matched is not None else ids
+            item = result.item_results[rank] if result.item_results else None
+            meta = ChoiceMeta(
+                output_ids=list(ids),
+                sequence_score=beam.sequence_score,
+                finish_reason=finish_of(kind, ids, matched),
+                weight_version=result.weight_version,
+                weight_versions=list(result.weight_versions),
+                request_id=result.request_id,
+                item_ids=None if item is None else item.item_ids,
+                item_id=None if item is None else item.item_id,
+                is_complete=None if item is None else item.is_complete,
+                catalog_version=result.catalog_version,
+            )
+            lps = result.output_token_logprobs if rank == 0 else None
+            logprobs = None
+            if lps is not None:
+                logprobs = [
+                    (token_text(t, tokenizer), float(lp)) for t, lp in zip(ids, lps, strict=False)
+                ]
+            text = decode(shown, tokenizer, skip_special_tokens)
+            out.append(
+                Choice(len(out), text, FINISH_REASONS.get(kind, kind), matched, meta, logprobs)
+            )
+    return out
+
+
+def finish_of(kind: str, ids: list[int], matched: int | None) -> FinishReason:
+    if kind == "stop":
+        return FinishReason(type="stop", matched=matched)
+    if kind == "length":
+        return FinishReason(type="length", length=len(ids))
+    return FinishReason(type=kind)
+
+
+def usage_of(results: list[GenerateResult]) -> Usage:
+    prompt = sum(r.prompt_tokens for r in results)
+    completion = sum(r.completion_tokens for r in results)
+    return Usage(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )
+
+
+def metadata_of(results: list[GenerateResult]) -> Metadata:
+    first = results[0]
+    return Metadata(weight_version=first.weight_version, weight_versions=first.weight_versions)
+
+
+def created_now() -> int:
+    return int(time.time())

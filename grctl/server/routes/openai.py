@@ -1,0 +1,213 @@
+"""OpenAI-compatible routes, as SGLang and vLLM serve them: /v1/models, /v1/completions and
+/v1/chat/completions, in one reply or as server-sent events (`stream: true`).
+
+Each request runs as /generate's do (server/completions.py converts): the same engine call, so
+the same catalog, logprobs and refusals (paused, weights mixed, memory released answer 503
+before any stream starts). A stream is sent once the requests have finished: GR replies are a
+few tokens, and beams are only known whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import msgspec
+from litestar import Request, Response, get, post
+from litestar.datastructures import State
+from litestar.response import Stream
+
+from grctl.errors import NotFound, ValidationError
+from grctl.protocol.openai import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionBody,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatMessageOut,
+    CompletionBody,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    TokenLogprob,
+)
+from grctl.server.completions import (
+    Choice,
+    chat_prompt,
+    choices_of,
+    completion_prompts,
+    created_now,
+    metadata_of,
+    refuse_unserved,
+    requests_of,
+    usage_of,
+)
+from grctl.server.disconnect import unless_disconnected
+from grctl.server.openapi import error_responses
+from grctl.server.routes.generate import run_to_end
+from grctl.server.routes.info import served_model_name
+
+STARTED = created_now()  # the model cards' `created`
+
+
+def model_card(state: State) -> ModelCard:
+    return ModelCard(
+        id=served_model_name(state),
+        created=STARTED,
+        root=state.model_path,
+        max_model_len=state.config.engine.max_context_len,
+    )
+
+
+@get("/v1/models", summary="The served model, as OpenAI's model list")
+async def list_models(state: State) -> ModelList:
+    return ModelList(data=[model_card(state)])
+
+
+@get("/v1/models/{model:path}", summary="The served model's card; 404 for any other name")
+async def get_model(state: State, model: str) -> ModelCard:
+    card = model_card(state)
+    if model.lstrip("/") != card.id.lstrip("/"):
+        raise NotFound(f"the model {model.lstrip('/')!r} does not exist", hint=f"use {card.id!r}")
+    return card
+
+
+async def run(state: State, request: Request, body, rows, max_new_tokens: int, logprobs: bool):
+    reqs = requests_of(body, rows, max_new_tokens, logprobs)
+    results = await unless_disconnected(request, lambda: run_to_end(state, reqs))
+    return results, choices_of(results, state.tokenizer, body.skip_special_tokens)
+
+
+def sse(chunks: list[msgspec.Struct]) -> Stream:
+    def events() -> Iterator[bytes]:
+        for chunk in chunks:
+            yield b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    return Stream(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def completion_logprobs(choice: Choice) -> CompletionLogprobs | None:
+    if choice.logprobs is None:
+        return None
+    return CompletionLogprobs(
+        tokens=[t for t, _ in choice.logprobs],
+        token_logprobs=[lp for _, lp in choice.logprobs],
+        top_logprobs=[None] * len(choice.logprobs),  # alternatives are not computed
+        text_offset=[-1] * len(choice.logprobs),
+    )
+
+
+@post(
+    "/v1/completions",
+    status_code=200,
+    summary="OpenAI completions: prompt as text or token ids; n > 1 is beam search",
+    responses=error_responses(400, 409, 413, 429, 503, 504),
+)
+async def completions(
+    state: State, request: Request, data: CompletionBody | None = None
+) -> Response:
+    body = data or CompletionBody()
+    refuse_unserved(body)
+    if body.echo:
+        raise ValidationError("echo is not supported")
+    rows = completion_prompts(body, state.tokenizer)
+    results, choices = await run(
+        state, request, body, rows, body.max_tokens, body.logprobs is not None
+    )
+    out = [
+        CompletionChoice(
+            index=c.index,
+            text=c.text,
+            logprobs=completion_logprobs(c),
+            finish_reason=c.finish_reason,
+            matched_stop=c.matched_stop,
+            meta_info=c.meta,
+        )
+        for c in choices
+    ]
+    head = {"id": f"cmpl-{results[0].request_id}", "created": created_now(), "model": body.model}
+    if not body.stream:
+        reply = CompletionResponse(
+            **head, choices=out, usage=usage_of(results), metadata=metadata_of(results)
+        )
+        return Response(reply)
+    chunks: list[msgspec.Struct] = [CompletionResponse(**head, choices=[c]) for c in out]
+    if body.stream_options and body.stream_options.include_usage:
+        chunks.append(CompletionResponse(**head, choices=[], usage=usage_of(results)))
+    return sse(chunks)
+
+
+def chat_logprobs(choice: Choice) -> ChatLogprobs | None:
+    if choice.logprobs is None:
+        return None
+    return ChatLogprobs(
+        content=[
+            TokenLogprob(token=t, bytes=list(t.encode()), logprob=lp) for t, lp in choice.logprobs
+        ]
+    )
+
+
+@post(
+    "/v1/chat/completions",
+    status_code=200,
+    summary="OpenAI chat completions, through the tokenizer's chat template",
+    responses=error_responses(400, 409, 413, 429, 503, 504),
+)
+async def chat_completions(
+    state: State, request: Request, data: ChatCompletionBody | None = None
+) -> Response:
+    body = data or ChatCompletionBody()
+    refuse_unserved(body)
+    prompt = chat_prompt(body, state.tokenizer)
+    cfg = state.config.engine
+    max_new = body.max_completion_tokens or body.max_tokens
+    if max_new is None:  # the server's limit, within the context left after the prompt
+        max_new = max(1, min(cfg.max_new_tokens, cfg.max_context_len - len(prompt)))
+    results, choices = await run(state, request, body, [prompt], max_new, body.logprobs)
+    head = {
+        "id": f"chatcmpl-{results[0].request_id}",
+        "created": created_now(),
+        "model": body.model,
+    }
+    if not body.stream:
+        out = [
+            ChatChoice(
+                index=c.index,
+                message=ChatMessageOut(content=c.text),
+                logprobs=chat_logprobs(c),
+                finish_reason=c.finish_reason,
+                matched_stop=c.matched_stop,
+                meta_info=c.meta,
+            )
+            for c in choices
+        ]
+        reply = ChatCompletionResponse(
+            **head, choices=out, usage=usage_of(results), metadata=metadata_of(results)
+        )
+        return Response(reply)
+    # Per choice, as SGLang streams: the role, the content, then the finish on its own.
+    chunks: list[msgspec.Struct] = []
+    for c in choices:
+        for choice in (
+            ChatChunkChoice(index=c.index, delta=ChatDelta(role="assistant", content="")),
+            ChatChunkChoice(
+                index=c.index, delta=ChatDelta(content=c.text), logprobs=chat_logprobs(c)
+            ),
+            ChatChunkChoice(
+                index=c.index,
+                finish_reason=c.finish_reason,
+                matched_stop=c.matched_stop,
+                meta_info=c.meta,
+            ),
+        ):
+            chunks.append(ChatCompletionChunk(**head, choices=[choice]))
+    if body.stream_options and body.stream_options.include_usage:
+        chunks.append(ChatCompletionChunk(**head, choices=[], usage=usage_of(results)))
+    return sse(chunks)
+
+
+openai_routes = [list_models, get_model, completions, chat_completions]

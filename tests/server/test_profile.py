@@ -1,0 +1,100 @@
+"""/start_profile and /stop_profile: torch's profiler over engine steps, traces in tmp_path; a real
+server for the API key and GR_TORCH_PROFILER_DIR, the app in process for the rest."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.appserver import app_server
+from tests.support.serverproc import assert_error
+
+pytestmark = pytest.mark.timeout(180)
+
+KEY = "profile-key"
+GENERATE = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3}}
+
+
+def trace_ops(path: Path) -> set[str]:
+    """The aten ops a Chrome trace recorded."""
+    events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
+    return {e["name"] for e in events if str(e.get("name", "")).startswith("aten::")}
+
+
+def wait_for(path: Path, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"no trace at {path}"
+        time.sleep(0.05)
+
+
+def test_profile_behind_the_key_into_the_configured_dir(start_server, tmp_path):
+    srv = start_server("--api-key", KEY, env={"GR_TORCH_PROFILER_DIR": str(tmp_path / "traces")})
+    with srv.client() as anonymous:
+        assert_error(anonymous.post("/start_profile", json={}), 401, "unauthorized")
+        assert_error(anonymous.post("/stop_profile", json={}), 401, "unauthorized")
+    with srv.client(headers={"Authorization": f"Bearer {KEY}"}) as http:
+        started = http.post("/start_profile", json={})
+        assert started.status_code == 200, started.text
+        path = Path(started.json()["trace_path"])
+        assert path.parent == tmp_path / "traces" and path.name.endswith("-TP-0.trace.json.gz")
+        assert_error(http.post("/start_profile", json={}), 409, "conflict")
+        for _ in range(3):
+            assert http.post("/generate", json=GENERATE).status_code == 200
+        stopped = http.post("/stop_profile", json={})
+        assert stopped.status_code == 200 and stopped.json()["trace_path"] == str(path)
+        assert_error(http.post("/stop_profile", json={}), 409, "conflict")
+    # The model's own ops, recorded in the engine's thread: a matmul and the attention.
+    ops = trace_ops(path)
+    assert {"aten::mm", "aten::addmm", "aten::matmul", "aten::linear"} & ops
+    assert any("attention" in op or "softmax" in op for op in ops)
+
+
+def test_bench_serving_body_stops_by_itself(tmp_path):
+    """What `sglang.bench_serving --profile --profile-steps 2 --profile-start-step 1` sends
+    (sglang/benchmark/serving.py L879-929): numbers as strings; no /stop_profile follows."""
+    out = tmp_path / "bench" / "1767225600.0"
+    body = {
+        "activities": ["CPU", "GPU"],
+        "num_steps": "2",
+        "profile_by_stage": False,
+        "profile_stages": None,
+        "output_dir": str(out),
+        "profile_prefix": None,
+        "start_step": "1",
+    }
+    with app_server() as srv, srv.client() as http:
+        started = http.post("/start_profile", json=body)
+        assert started.status_code == 200, started.text
+        path = Path(started.json()["trace_path"])
+        for _ in range(3):
+            http.post("/generate", json=GENERATE)
+        wait_for(path)
+        assert path.parent == out and trace_ops(path)
+        # Finished by itself: a new profile starts, here by GET with the query and a prefix.
+        again = http.get("/start_profile", params={"output_dir": str(out), "profile_prefix": "p"})
+        assert again.status_code == 200 and Path(again.json()["trace_path"]).name.startswith("p-")
+        assert http.get("/stop_profile").status_code == 200
+
+
+def test_sglang_env_and_refusals(tmp_path):
+    env = {"SGLANG_TORCH_PROFILER_DIR": str(tmp_path / "sglang")}
+    with app_server(env=env) as srv, srv.client() as http:
+        for body in (
+            {"profile_by_stage": True},
+            {"activities": ["RPD"]},
+            {"num_steps": 0},
+            {"profile_id": "../escape"},
+            {"start_step": "soon"},
+        ):
+            assert_error(http.post("/start_profile", json=body), 400, "validation_error")
+        started = http.post("/start_profile", json={"activities": ["CPU"], "with_stack": False})
+        path = Path(started.json()["trace_path"])
+        assert path.parent == tmp_path / "sglang"
+        http.post("/generate", json=GENERATE)
+        assert http.post("/stop_profile").json()["trace_path"] == str(path)
+        assert trace_ops(path)
