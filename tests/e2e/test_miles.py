@@ -250,6 +250,36 @@ def test_broadcast_sync_sequence(srv, ckpts):
     assert greedy(url) == hf_generate(new, PROMPT)
 
 
+def test_rollout_generate_and_abort(srv, ckpts):
+    """generate_endpoint_utils.py L52-112 and update_sample_from_response: text, the logprob
+    pairs ([1] the token, [0] the logprob), finish_reason.type, weight_version; the abort of
+    sglang_rollout.py L399-412."""
+    restore(srv.url, ckpts["base"])
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": -1,
+            "stop": None,
+            "stop_token_ids": None,
+            "skip_special_tokens": False,
+            "no_stop_trim": True,
+            "spaces_between_special_tokens": False,
+            "max_new_tokens": 4,
+        },
+        "return_logprob": True,
+        "return_routed_experts": False,
+        "return_indexer_topk": False,
+    }
+    out = post(srv.url, "/generate", body).json()
+    pairs = out["meta_info"]["output_token_logprobs"]
+    assert [p[1] for p in pairs] == out["output_ids"] and all(p[0] <= 0 for p in pairs)
+    assert isinstance(out["text"], str) and out["meta_info"]["finish_reason"]["type"] == "length"
+    assert out["meta_info"]["weight_version"] == "base"
+    assert post(srv.url, "/abort_request", {"abort_all": True}).status_code == 200
+
+
 def test_p2p_lora_and_disk_delta_are_refused_naming_what_to_use(srv):
     """Transports grctl lacks answer 501 with a JSON body that says what works instead."""
     url = srv.url
