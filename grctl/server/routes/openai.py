@@ -10,10 +10,12 @@ few tokens, and beams are only known whole.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Annotated
 
 import msgspec
 from litestar import Request, Response, get, post
 from litestar.datastructures import State
+from litestar.params import Body
 from litestar.response import Stream
 
 from grctl.errors import NotFound, ValidationError
@@ -108,7 +110,7 @@ def completion_logprobs(choice: Choice) -> CompletionLogprobs | None:
     responses=error_responses(400, 409, 413, 429, 503, 504),
 )
 async def completions(
-    state: State, request: Request, data: CompletionBody | None = None
+    state: State, request: Request, data: Annotated[CompletionBody | None, Body()] = None
 ) -> Response:
     body = data or CompletionBody()
     refuse_unserved(body)
@@ -158,7 +160,7 @@ def chat_logprobs(choice: Choice) -> ChatLogprobs | None:
     responses=error_responses(400, 409, 413, 429, 503, 504),
 )
 async def chat_completions(
-    state: State, request: Request, data: ChatCompletionBody | None = None
+    state: State, request: Request, data: Annotated[ChatCompletionBody | None, Body()] = None
 ) -> Response:
     body = data or ChatCompletionBody()
     refuse_unserved(body)
