@@ -98,3 +98,19 @@ def test_sglang_env_and_refusals(tmp_path):
         http.post("/generate", json=GENERATE)
         assert http.post("/stop_profile").json()["trace_path"] == str(path)
         assert trace_ops(path)
+
+
+@pytest.mark.gpu
+def test_gpu_activity_records_the_cuda_kernels(tmp_path):
+    """On a CUDA server, activities GPU adds torch's CUDA activity: the trace holds the kernels
+    the engine's steps launched, beside the CPU ops."""
+    with app_server("--device", "cuda") as srv, srv.client() as http:
+        body = {"output_dir": str(tmp_path), "activities": ["CPU", "GPU"], "num_steps": 3}
+        started = http.post("/start_profile", json=body)
+        assert started.status_code == 200, started.text
+        path = Path(started.json()["trace_path"])
+        for _ in range(3):
+            assert http.post("/generate", json=GENERATE).status_code == 200
+        wait_for(path)
+    events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
+    assert any(e.get("cat") == "kernel" for e in events) and trace_ops(path)
