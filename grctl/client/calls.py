@@ -1,5 +1,6 @@
-"""How a route is called: a `Call` (method, path, body, how to read the reply), the decoders
-that turn a reply into a result, and the body builder for /generate, /submit and /submit_many."""
+"""How a route is called: a `Call` (method, path, body, how to read the reply), the errors of a
+call that got no reply, the decoders that turn a reply into a result, and the body builder for
+/generate, /submit and /submit_many."""
 
 from __future__ import annotations
 
@@ -26,6 +27,18 @@ class Call:
     kind: str = "control"  # control | generate | update: picks the client's timeout
     ok_statuses: tuple[int, ...] = ()  # error statuses that still carry a normal reply
     extra_timeout: float = 0.0  # added to the timeout (a server-side wait the call asks for)
+
+
+class ConnectionFailed(GrctlError):
+    """The server could not be reached (refused, reset, DNS): no reply at all."""
+
+    code, status, retryable = "connection_error", 0, True
+
+
+class ClientTimeout(GrctlError):
+    """The server did not answer within the client's timeout."""
+
+    code, status, retryable = "client_timeout", 0, True
 
 
 # Answered before a route handler reads the body: auth, the body limit, routing.

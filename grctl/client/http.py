@@ -21,24 +21,12 @@ from typing import Any
 import httpx
 import msgspec
 
-from grctl.client.calls import Call, text
+from grctl.client.calls import Call, ClientTimeout, ConnectionFailed, text
 from grctl.client.routes import Routes
 from grctl.errors import CacheBusy, GrctlError, ValidationError, error_from_wire
 from grctl.protocol.info import API_KEY_HEADER, FlushCacheResponse
 
 DEFAULT_URL = "http://127.0.0.1:8000"
-
-
-class ConnectionFailed(GrctlError):
-    """The server could not be reached (refused, reset, DNS): no reply at all."""
-
-    code, status, retryable = "connection_error", 0, True
-
-
-class ClientTimeout(GrctlError):
-    """The server did not answer within the client's timeout."""
-
-    code, status, retryable = "client_timeout", 0, True
 
 
 def auth_headers(api_key: str | None, bearer: bool) -> dict[str, str]:
@@ -155,6 +143,31 @@ class GRClient(_Base):
             if attempt + 1 < retries:
                 time.sleep(interval)
         raise flush_gave_up(retries, last)
+
+    def push_tensors(
+        self,
+        named_tensors,
+        *,
+        bucket_mb: float = 512,
+        weight_version: str | int | None = None,
+        token_step: int | str | None = None,
+        flush_cache: bool = True,
+    ):
+        """Push tensors this process holds (a state dict or (hf_name, tensor) pairs, CPU or
+        CUDA) as flattened buckets of `bucket_mb` MiB, labelled `weight_version`: no checkpoint
+        written, no pause or resume (pause first, or use WeightSync.run for the whole sequence).
+        Planned against the served structure before the first bucket; returns the SyncResult,
+        raises SyncError naming how many buckets the server took."""
+        from grctl.client.push import push_tensors  # torch: only when a push is asked for
+
+        return push_tensors(
+            self,
+            named_tensors,
+            bucket_mb=bucket_mb,
+            weight_version=weight_version,
+            token_step=token_step,
+            flush_cache=flush_cache,
+        )
 
     def close(self) -> None:
         self._http.close()

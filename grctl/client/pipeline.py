@@ -16,18 +16,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from grctl.client.calls import body_never_read
+from grctl.client.calls import ClientTimeout, body_never_read
 from grctl.client.devices import release_unclaimed
-from grctl.client.http import ClientTimeout, GRClient
 from grctl.client.outcome import ServerOutcome
+from grctl.client.routes import Routes
 from grctl.client.staging import BucketPlan, BufferPool, StagedBucket, stage
 from grctl.errors import GrctlError
-from grctl.weights.checkpoint import Checkpoint
 
 
 @dataclass
 class Target:
-    client: GRClient
+    client: Routes  # a GRClient
     outcome: ServerOutcome
 
 
@@ -121,7 +120,7 @@ def is_refusal(exc: BaseException) -> bool:
 
 
 def push_buckets(
-    ckpt: Checkpoint,
+    source,
     plans: list[BucketPlan],
     device: torch.device,
     targets: list[Target],
@@ -129,9 +128,10 @@ def push_buckets(
     opts: PushOptions,
     on_bucket: Callable[[BucketPlan], None] | None = None,
 ) -> None:
-    """Push every planned bucket to every target; failures land in the targets' outcomes.
-    An error while staging (an unreadable checkpoint), or an interrupt, is raised after the
-    bucket in flight has been settled: each outcome then counts exactly the buckets applied."""
+    """Push every planned bucket of `source` (client.sources) to every target; failures land in
+    the targets' outcomes. An error while staging (an unreadable checkpoint), or an interrupt,
+    is raised after the bucket in flight has been settled: each outcome then counts exactly the
+    buckets applied."""
     alive = list(targets)
     for t in targets:
         t.outcome.buckets_total = len(plans)
@@ -144,7 +144,8 @@ def push_buckets(
         for plan in plans:
             if not alive:
                 break
-            bucket = stage(ckpt, plan, device, buffers)  # overlaps with the previous bucket's calls
+            # overlaps with the calls carrying the previous bucket
+            bucket = stage(source, plan, device, buffers)
             if flight is not None:
                 alive = settle(flight, len(plans))
                 if on_bucket:

@@ -1,19 +1,21 @@
-"""Before a tensor push pauses anything: does the checkpoint cover the served model?
+"""Before a tensor push pauses anything: does the source cover the served model?
 
-The server applies chunks as they come (SGLang's protocol), so a checkpoint that lacks a tensor
+The server applies chunks as they come (SGLang's protocol), so a source that lacks a tensor
 would leave it partly updated. The disk path refuses such a directory before copying; this gives
-the tensor path the same check, on the client, with the sink's own plan (apply.plan with
-require_full, via plan_checkpoint) run against a meta-device model of the served structure:
-no memory, no copy, no second coverage rule.
+the tensor path the same check, on the client, with the sink's own plan (apply.plan_against,
+require_full) run against the served parameters' shapes (model.parameters, from ModelConfig):
+no model built, no memory, no second coverage rule. Names are taken as the server takes a
+flattened bucket: HF names only (a fused name would be refused there, part-way through).
 """
 
 from __future__ import annotations
 
 import torch
 
+from grctl.errors import WeightValidationError
 from grctl.model.config import ModelConfig
-from grctl.model.qwen3 import Qwen3ForCausalLM
-from grctl.weights.checkpoint import Checkpoint, plan_checkpoint
+from grctl.model.parameters import parameter_shapes
+from grctl.weights import apply
 
 
 def served_structure(client) -> ModelConfig | None:
@@ -22,9 +24,20 @@ def served_structure(client) -> ModelConfig | None:
     return ModelConfig.from_hf(config) if config else None
 
 
-def check_covers(client, ckpt: Checkpoint) -> None:
-    """Raise WeightValidationError unless `ckpt` matches and covers the server's model."""
-    cfg = served_structure(client) or ckpt.config
-    with torch.device("meta"):
-        model = Qwen3ForCausalLM(cfg)
-    plan_checkpoint(model, ckpt)
+def check_covers(client, source) -> None:
+    """Raise WeightValidationError unless `source` (a Checkpoint or NamedTensors) matches and
+    covers the server's model. A server that does not report its structure is planned against
+    the checkpoint's config.json; tensors in memory then go unplanned (the server still
+    validates each chunk before applying it)."""
+    served = served_structure(client)
+    cfg = served or source.config
+    if cfg is None:
+        return
+    if served is not None and source.config is not None:
+        mismatches = served.structural_mismatches(source.config)
+        if mismatches:
+            raise WeightValidationError(
+                "checkpoint structure does not match the served model: " + "; ".join(mismatches)
+            )
+    params = {n: torch.empty(s, device="meta") for n, s in parameter_shapes(cfg).items()}
+    apply.plan_against(cfg, params, source.specs(), require_full=True, allow_fused=False)

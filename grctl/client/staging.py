@@ -2,10 +2,11 @@
 
 A plan is made from the checkpoint's headers alone (names, shapes, dtypes): tensors in
 checkpoint order, a new bucket when the next tensor would pass the budget, and a tensor larger
-than the budget alone in its own bucket (slime's rule). Staging a bucket reads its tensors
-(lazily, through Checkpoint) straight into one flat uint8 buffer: POSIX shared memory for a CPU
-server, device memory for a CUDA one, cast on the way to the served dtype, so the payload
-carries one shared-memory name or one CUDA IPC handle per bucket and no tensor bytes cross HTTP.
+than the budget alone in its own bucket (slime's rule). Staging a bucket reads its tensors (from
+a checkpoint, lazily, or from a trainer's memory: client.sources) straight into one flat uint8
+buffer: POSIX shared memory for a CPU server, device memory for a CUDA one, cast on the way to
+the served dtype, so the payload carries one shared-memory name or one CUDA IPC handle per
+bucket and no tensor bytes cross HTTP.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import torch
 
 from grctl.errors import GrctlError
 from grctl.weights.apply import TensorSpec
-from grctl.weights.checkpoint import Checkpoint
 from grctl.weights.wire import encode
 from grctl.weights.wire.records import FlattenedTensorMetadata
 
@@ -181,10 +181,10 @@ class StagedBucket:
 
 
 def stage(
-    ckpt: Checkpoint, plan: BucketPlan, device: torch.device, pool: BufferPool | None = None
+    source, plan: BucketPlan, device: torch.device, pool: BufferPool | None = None
 ) -> StagedBucket:
-    """Read the bucket's tensors from the checkpoint into one flat buffer on `device`: one of
-    the pool's when given, else a fresh one."""
+    """Read the bucket's tensors from `source` (client.sources: a Checkpoint or NamedTensors)
+    into one flat buffer on `device`: one of the pool's when given, else a fresh one."""
     give_back = None
     if pool is not None:
         flat, give_back = pool.take(plan.nbytes)
@@ -194,7 +194,8 @@ def stage(
         flat = torch.empty(plan.nbytes, dtype=torch.uint8, device=device)
     for e in plan.entries:
         dst = flat[e.start : e.start + e.nbytes].view(e.dtype).view(e.shape)
-        dst.copy_(ckpt.fetch(e.name))  # cast and device move in one copy
+        if not source.read_into(e.name, dst):  # a file read straight into the bucket
+            dst.copy_(source.fetch(e.name))  # cast and device move in one copy
     if flat.is_cuda:
         torch.cuda.synchronize(device)  # the bytes are in place before any handle leaves
     return StagedBucket(plan, flat, give_back)

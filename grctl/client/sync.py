@@ -2,16 +2,18 @@
 
     result = WeightSync(["http://a:8000", "http://b:8000"]).run("/ckpt/step_7", weight_version=7)
     result = WeightSync(router="http://gw:30000").run(...)  # the workers behind sglang-router
+    result = sync.run(model.state_dict(), weight_version="step-7")  # tensors a trainer holds
 
 Every stage runs on all servers at once. Before anything is paused, a tensor push checks that
-the checkpoint covers each server's model (the sink's own plan, on a meta-device copy of the
-served structure), so a partial checkpoint is refused with every server untouched. A server that
-fails is dropped from the later stages but is still resumed, unless it took some but not all of
-the tensor chunks: its weights are then partly new, so it is left paused, and the server itself
-refuses to resume while its tensors carry mixed labels. The servers that did not fail go on to
-the end. If any server failed, SyncError is raised naming every server's outcome; its `result`
-is the same SyncResult a clean run returns. Ctrl-C (KeyboardInterrupt) stops the sync the same
-way: partial servers stay paused, the others are resumed, and SyncInterrupted carries the result.
+the checkpoint (or the tensors) covers each server's model (the sink's own plan, against the
+served parameters' shapes), so a partial source is refused with every server untouched. A
+server that fails is dropped from the later stages but is still resumed, unless it took some
+but not all of the tensor chunks: its weights are then partly new, so it is left paused, and
+the server itself refuses to resume while its tensors carry mixed labels. The servers that did
+not fail go on to the end. If any server failed, SyncError is raised naming every server's
+outcome; its `result` is the same SyncResult a clean run returns. Ctrl-C (KeyboardInterrupt)
+stops the sync the same way: partial servers stay paused, the others are resumed, and
+SyncInterrupted carries the result.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from grctl.client import devices, staging
+from grctl.client import devices, sources, staging
 from grctl.client.http import DEFAULT_URL, GRClient
 from grctl.client.outcome import (
     TRANSPORTS,
@@ -38,7 +40,6 @@ from grctl.client.router import worker_urls as router_workers
 from grctl.client.verify import compare_servers, dtype_of, read_server
 from grctl.errors import GrctlError, ValidationError
 from grctl.protocol.weights import version_str
-from grctl.weights.checkpoint import Checkpoint
 
 
 class WeightSync:
@@ -107,35 +108,45 @@ class WeightSync:
 
     def run(
         self,
-        checkpoint: str | Path,
+        source,
         *,
         weight_version: str | int | None = None,
         token_step: int | str | None = None,
     ) -> SyncResult:
+        """Sync `source` to every server: a checkpoint directory, or (tensor transport) the
+        tensors a trainer holds: a state dict or (hf_name, tensor) pairs, CPU or CUDA, held by
+        reference until this returns. Raises SyncError (or SyncInterrupted) naming what each
+        server was left with."""
         t0 = time.perf_counter()
-        # A tensor push opens the checkpoint once, before any server is touched.
-        ckpt = Checkpoint(checkpoint) if self.transport == "tensor" else None
+        if self.transport == "disk" and not sources.is_path(source):
+            raise ValidationError(
+                "the disk transport sends a checkpoint path; push tensors in memory with "
+                "transport='tensor'"
+            )
+        # A tensor push opens its source once, before any server is touched.
+        src = sources.open_source(source) if self.transport == "tensor" else None
         try:
-            if ckpt is not None:
-                ckpt.specs()  # an unreadable checkpoint fails before any server pauses
+            if src is not None:
+                src.specs()  # an unreadable checkpoint fails before any server pauses
             version = version_str(weight_version)
+            label = sources.label_of(source, src)
             result = SyncResult(
-                version, self.transport, str(checkpoint), [ServerOutcome(u) for u in self.clients]
+                version, self.transport, label, [ServerOutcome(u) for u in self.clients]
             )
             try:
                 self._stage(result, "connect", self._connect)
-                if ckpt is not None:
-                    self._stage(result, "plan", lambda o: check_covers(self.clients[o.url], ckpt))
-                self._update(result, ckpt or checkpoint, version, token_step)
-                self._verify(result, checkpoint, version)
+                if src is not None:
+                    self._stage(result, "plan", lambda o: check_covers(self.clients[o.url], src))
+                self._update(result, src or source, version, token_step)
+                self._verify(result, src or source, version)
             except KeyboardInterrupt as exc:  # before the pause or after the resume
                 if isinstance(exc, SyncInterrupted):
                     raise
                 result.interrupted_by = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
                 raise SyncInterrupted(result) from exc
         finally:
-            if ckpt is not None:
-                ckpt.close()
+            if src is not None and src is not source:  # a caller's own source stays open
+                src.close()
         result.timings["total"] = round(time.perf_counter() - t0, 4)
         if not result.ok:
             raise SyncError(result)
@@ -189,7 +200,7 @@ class WeightSync:
         out.device, out.dtype, out.gpu_uuid = info.device, info.dtype, info.gpu_uuid
 
     def _push(self, result: SyncResult, source, version, token_step) -> None:
-        """`source`: the checkpoint path (disk), or the open Checkpoint (tensor)."""
+        """`source`: the checkpoint path (disk), or the open source (tensor)."""
         t0 = time.perf_counter()
         if self.transport == "disk":
             checkpoint = source
@@ -209,7 +220,7 @@ class WeightSync:
         for out in result.servers:
             out.timings.setdefault("push", result.timings["push"])  # tensor chunks go to all
 
-    def _push_tensors(self, result: SyncResult, ckpt: Checkpoint, opts: PushOptions) -> None:
+    def _push_tensors(self, result: SyncResult, src, opts: PushOptions) -> None:
         """One staging per (local device, served dtype): servers on the same GPU read the same
         buckets; servers on other GPUs of this machine get their own, staged on their GPU."""
         groups: dict[tuple, list[ServerOutcome]] = {}
@@ -220,7 +231,7 @@ class WeightSync:
                 out.fail("push", exc)
                 continue
             groups.setdefault((device, dtype_of(out.dtype)), []).append(out)
-        specs = ckpt.specs()
+        specs = src.specs()
         plans = {k: staging.plan_buckets(specs, k[1], self.bucket_bytes) for k in groups}
         result.num_buckets = sum(len(p) for p in plans.values())
         result.num_bytes = sum(b.nbytes for p in plans.values() for b in p)
@@ -228,7 +239,7 @@ class WeightSync:
         for key, outs in groups.items():
             targets = [Target(self.clients[o.url], o) for o in outs]
             try:
-                push_buckets(ckpt, plans[key], key[0], targets, self._pool, opts, progress)
+                push_buckets(src, plans[key], key[0], targets, self._pool, opts, progress)
             except Exception as exc:  # staging failed: the group's servers stop here
                 for out in outs:
                     out.fail("push", exc)
@@ -260,8 +271,9 @@ class WeightSync:
         list(self._pool.map(resume, reached))
         result.timings["continue"] = round(time.perf_counter() - t0, 4)
 
-    def _verify(self, result: SyncResult, checkpoint, version: str | None) -> None:
-        """The version every server reports now; with verify, every tensor's sha256 too."""
+    def _verify(self, result: SyncResult, source, version: str | None) -> None:
+        """The version every server reports now; with verify, every tensor's sha256 against
+        the source's (a checkpoint path, or the open source of a tensor push)."""
 
         def read(out: ServerOutcome):
             t1 = time.perf_counter()
@@ -275,5 +287,5 @@ class WeightSync:
         replies = zip(reached, self._pool.map(read, reached), strict=True)
         checks = [(o, c) for o, c in replies if c is not None]
         if checks:
-            compare_servers(checks, checkpoint)
+            compare_servers(checks, source)
         result.timings["verify"] = round(time.perf_counter() - t0, 4)

@@ -1,12 +1,14 @@
-"""Checkpoint-side digests and the comparison with a server's /weights_checker checksum.
+"""Source-side digests and the comparison with a server's /weights_checker checksum.
 
 The server hashes each HF-named view of its live parameters in the served dtype; the same
-digest comes from the checkpoint tensor cast to that dtype (`tensor_sha256`). Tensors the
-served model does not hold (a tied lm_head, rotary buffers) are not compared.
+digest comes from the pushed tensor (from a checkpoint, or held in memory) cast to that dtype
+(`tensor_sha256`). Tensors the served model does not hold (a tied lm_head, rotary buffers) are
+not compared.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -24,17 +26,20 @@ def dtype_of(name: str) -> torch.dtype | None:
 
 
 class CheckpointDigests:
-    """sha256 of every checkpoint tensor cast to a dtype, computed once per dtype and name."""
+    """sha256 of every tensor of a source cast to a dtype, computed once per dtype and name.
+    `source`: a checkpoint path (opened here), or an open Checkpoint or NamedTensors (the
+    caller's: left open)."""
 
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
+    def __init__(self, source):
+        self._source = None if isinstance(source, (str, os.PathLike)) else source
+        self.path = Path(source) if self._source is None else None
         self._cache: dict[tuple[str, torch.dtype], str] = {}
-        self._ckpt: Checkpoint | None = None
+        self._ckpt = None
         self._names: set[str] = set()
 
-    def _open(self) -> Checkpoint:
+    def _open(self):
         if self._ckpt is None:
-            self._ckpt = Checkpoint(self.path)
+            self._ckpt = self._source or Checkpoint(self.path)
             self._names = {s.name for s in self._ckpt.specs()}
         return self._ckpt
 
@@ -50,9 +55,9 @@ class CheckpointDigests:
         return self._cache[key]
 
     def close(self) -> None:
-        if self._ckpt is not None:
+        if self._ckpt is not None and self._source is None:
             self._ckpt.close()
-            self._ckpt = None
+        self._ckpt = None
 
 
 def mismatches(checker: WeightsCheckerResponse, digests: CheckpointDigests) -> list[str]:
@@ -92,9 +97,10 @@ def read_server(client, out: ServerOutcome, version: str | None, checksum: bool)
         return None
 
 
-def compare_servers(checks: list[tuple[ServerOutcome, WeightsCheckerResponse]], checkpoint) -> None:
-    """Each server's digests against the checkpoint's, read once for the whole fleet."""
-    digests = CheckpointDigests(checkpoint)
+def compare_servers(checks: list[tuple[ServerOutcome, WeightsCheckerResponse]], source) -> None:
+    """Each server's digests against the source's (see CheckpointDigests), read once for the
+    whole fleet."""
+    digests = CheckpointDigests(source)
     try:
         for out, check in checks:
             out.mismatches = mismatches(check, digests)

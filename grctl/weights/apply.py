@@ -9,7 +9,7 @@ keeps captured CUDA graphs valid across updates.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -62,8 +62,27 @@ def plan(
     require_full: every element of every parameter must be written (a whole-checkpoint load).
     allow_fused / allow_split: whether fused names (qkv_proj) or HF split names (q_proj) are taken.
     """
-    cfg: ModelConfig = model.config
-    params = live_parameters(model)
+    return plan_against(
+        model.config,
+        live_parameters(model),
+        specs,
+        require_full=require_full,
+        allow_fused=allow_fused,
+        allow_split=allow_split,
+    )
+
+
+def plan_against(
+    cfg: ModelConfig,
+    params: Mapping[str, torch.Tensor],
+    specs: Iterable[TensorSpec],
+    *,
+    require_full: bool,
+    allow_fused: bool = True,
+    allow_split: bool = True,
+) -> list[Write]:
+    """`plan` against the parameters alone: `params` may be meta tensors of the served shapes
+    (a client checking a push before it pauses anything builds no model)."""
     writes: list[Write] = []
     covered: dict[str, list[tuple[int, int]]] = {}
     seen_params: set[str] = set()
