@@ -186,6 +186,44 @@ def test_greedy_constrained_equals_reference(pair, tmp_path, seed):
     assert res.item_results[0].is_complete
 
 
+def test_greedy_follows_the_chosen_childs_node(pair, tmp_path):
+    """A node with fewer children than the gather width: its padded entries point into the next
+    node's children, and must never be taken for the child the token chose (issue 19)."""
+    hf, ours = pair
+    rows = [
+        {"item_id": "A", "token_ids": [30, 60, 90]},
+        {"item_id": "B", "token_ids": [31, 60, 91]},
+        {"item_id": "C", "token_ids": [31, 61, 92]},
+    ]
+    eng = engine_with(ours, write_rows(tmp_path / "c.jsonl", rows))
+    bias = parse_logits_processors([{"type": "token_bias", "token_bias": {"30": 100.0}}])
+    sp = SamplingParams(max_new_tokens=3, logits_processors=bias)
+    (res,) = run(eng, [GenerateRequest(prompt(6, 1), sp)])
+    assert res.output_ids == [30, 60, 90] and res.finish_reason == "item_complete"
+    assert res.item_results[0].item_ids == ["A"]
+
+
+def test_greedy_over_many_items_spells_items(pair, tmp_path):
+    """Greedy n == 1 over 2,000 random 3-level items: every output is the reference's item."""
+    hf, ours = pair
+    rng = random.Random(5)
+    rows = [
+        {"item_id": i, "token_ids": [40 * d + rng.randrange(40) for d in range(3)]}
+        for i in range(2000)
+    ]
+    ids_of: dict[tuple, list] = {}
+    for r in rows:
+        ids_of.setdefault(tuple(r["token_ids"]), []).append(r["item_id"])
+    eng = engine_with(ours, write_rows(tmp_path / "c.jsonl", rows))
+    prompts = [prompt(4 + i % 7, 700 + i) for i in range(24)]
+    results = run(eng, [GenerateRequest(p, SamplingParams(max_new_tokens=3)) for p in prompts])
+    for p, res in zip(prompts, results, strict=True):
+        tokens, score = greedy_reference(hf, p, rows, 3)
+        assert res.output_ids == tokens
+        assert res.item_results[0].item_ids == ids_of[tuple(tokens)]
+        assert res.beams[0].sequence_score == pytest.approx(score, abs=1e-4)
+
+
 def test_processors_with_catalog_equal_transformers(pair, tmp_path):
     """token_bias and token_suppress on the log-probabilities, with the trie mask."""
     hf, ours = pair

@@ -89,6 +89,9 @@ def _catalog_rows(logits, lse, blocks: list[Block], ids: list[int], cands: dict)
     rows = torch.cat([_arange(b, logits.device) for b in blocks])
     logprobs = logits[rows[:, None], tokens].float() - lse[rows][:, None]
     logprobs = logprobs.masked_fill(~valid, NEG_INF)
+    # a padded entry repeats the next node's children: it leads nowhere (node 0), so that n == 1
+    # matching the chosen token against the row finds the real child only
+    children = children.masked_fill(~valid, 0)
     k = max(b.beams.num_candidates for b in blocks)
     if width > k and all(b.beams.num_beams > 1 for b in blocks):
         logprobs, pick = logprobs.topk(k, dim=-1)
