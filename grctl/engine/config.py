@@ -33,6 +33,12 @@ class EngineConfig:
         "Model",
         old_env=("GR_USE_CUDA_GRAPH",),
     )
+    return_original_logprob: bool = knob(
+        False,
+        "Report log_softmax(logits) as logprobs at any temperature (else of logits / T).",
+        "Model",
+        old_env=("SGLANG_RETURN_ORIGINAL_LOGPROB",),  # what SGLang's users already set
+    )
     max_running_requests: int = knob(64, "Requests decoded together.", "Scheduling", min=1)
     max_waiting_requests: int = knob(1024, "Queued requests before 429.", "Scheduling", min=1)
     max_context_len: int = knob(

@@ -25,7 +25,7 @@ from grctl.engine.results import ResultStore
 from grctl.engine.scheduler import Scheduler
 from grctl.engine.sequence import Sequence
 from grctl.engine.stats import EngineStats
-from grctl.engine.validation import stop_ids_of, validate_request
+from grctl.engine.validation import excluded_of, stop_ids_of, validate_request
 from grctl.engine.worker import Worker
 from grctl.errors import (
     Conflict,
@@ -65,7 +65,7 @@ class Engine:
             config.prefill_cache_max_bytes,
         )
         self.runner = ModelRunner(model, self.device)
-        self.executor = Executor(self.runner, self.cache)
+        self.executor = Executor(self.runner, self.cache, config.return_original_logprob)
         self.scheduler = Scheduler(
             config.max_running_requests,
             config.prefill_token_budget,
@@ -148,6 +148,9 @@ class Engine:
             max_new_tokens_limit=cfg.max_new_tokens,
         )
         self.scheduler.check_fits(req)
+        store = self.catalogs  # the request keeps the catalog served now, whatever reloads
+        catalog = store.current if store is not None and req.sampling.use_catalog else None
+        excluded = excluded_of(req, catalog, self.device)
         with self.gate:
             refusals = self.gate.refusals()
             if refusals:
@@ -160,9 +163,8 @@ class Engine:
                     f"the waiting queue is full ({cfg.max_waiting_requests} requests)",
                     hint="retry later",
                 )
-            store = self.catalogs
-            catalog = store.current if store is not None and req.sampling.use_catalog else None
-            self.scheduler.add(Sequence(rid, req, stop_ids_of(req, self.model.config), catalog))
+            seq = Sequence(rid, req, stop_ids_of(req, self.model.config), catalog, *excluded)
+            self.scheduler.add(seq)
             self.stats.num_submitted += 1
             self.gate.notify()
         return rid
@@ -171,7 +173,7 @@ class Engine:
         """The KV a request holds while it runs (admission by --max-kv-bytes)."""
         sp, itemsize = req.sampling, self.model.embed_tokens.weight.element_size()
         return request_kv_bytes(
-            self.model.config, itemsize, len(req.input_ids), sp.n, sp.max_new_tokens
+            self.model.config, itemsize, len(req.input_ids), sp.width, sp.max_new_tokens
         )
 
     def poll(self, request_id: str) -> GenerateResult | None:

@@ -16,14 +16,14 @@ from grctl.engine.prefill_cache import Entry, PrefillCache
 from grctl.engine.search import beam_select
 from grctl.engine.search.beam import Beams
 from grctl.engine.search.beam_select import Block
-from grctl.engine.search.sampler import Sampler
 from grctl.engine.sequence import Sequence
 
 
 class Executor:
-    def __init__(self, runner: ModelRunner, cache: PrefillCache):
+    def __init__(self, runner: ModelRunner, cache: PrefillCache, original_logprob: bool = False):
         self.runner = runner
         self.cache = cache
+        self.original_logprob = original_logprob  # report log_softmax(logits) at any temperature
         self.device = runner.device
         self.num_prefill_batches = 0
         self.num_prefill_tokens = 0  # computed, cache hits excluded
@@ -71,15 +71,19 @@ class Executor:
         cfg = self.runner.config
         blocks = []
         for i, (seq, _, _) in enumerate(started):
-            sp = seq.req.sampling
-            sampler = Sampler(sp, self.device) if sp.n == 1 else None
-            trie = seq.catalog.trie if seq.catalog is not None else None
-            beams = Beams(
-                sp.n, sp.max_new_tokens, seq.stop_ids, self.device, cfg.vocab_size, sampler, trie
+            seq.beams = Beams(
+                seq.req.sampling,
+                seq.stop_ids,
+                cfg.vocab_size,
+                self.device,
+                seq.catalog.trie if seq.catalog is not None else None,
+                seq.banned,
+                seq.req.top_logprobs_num if seq.req.return_logprob else 0,
+                self.original_logprob,
             )
-            seq.beams = beams
-            blocks.append(Block(beams, i, 1, sp.logits_processors))
+            blocks.append(Block(seq.beams, i, 1))
         beam_select.step(torch.stack([lp for _, _, lp in started]), blocks)
+        self._match_stop_strings([s for s, _, _ in started])
         for seq, ctx, _ in started:
             seq.record_version(version)
             if seq.beams.is_done:
@@ -88,7 +92,7 @@ class Executor:
             seq.ctx = ctx
             seq.beam_kv = BeamKV(
                 cfg.num_layers,
-                sp.n,
+                sp.width,
                 cfg.num_kv_heads,
                 sp.max_new_tokens - 1,
                 cfg.head_dim,
@@ -105,12 +109,25 @@ class Executor:
         self.num_decode_rows += logits.shape[0]
         blocks, row = [], 0
         for seq in seqs:
-            blocks.append(Block(seq.beams, row, seq.num_beams, seq.req.sampling.logits_processors))
+            blocks.append(Block(seq.beams, row, seq.num_beams))
             row += seq.num_beams
-        parents = beam_select.step(logits, blocks)
-        for seq, item, par in zip(seqs, items, parents, strict=True):
+        beam_select.step(logits, blocks)
+        self._match_stop_strings(seqs)
+        for seq, item in zip(seqs, items, strict=True):
             seq.record_version(version)
             if seq.beams.is_done:
                 seq.release_kv()
             elif seq.num_beams > 1:
-                seq.beam_kv.reorder(par, item.step + 1)
+                seq.beam_kv.reorder(seq.beams.parents(), item.step + 1)
+
+    def _match_stop_strings(self, seqs: list[Sequence]) -> None:
+        """End the width-1 requests whose text now holds one of their stop strings (one copy
+        of the new tokens to the host for all of them)."""
+        watched = [s for s in seqs if s.stop_strings is not None and not s.beams.is_done]
+        if not watched:
+            return
+        tokens = torch.cat([s.beams.last_tokens() for s in watched]).tolist()
+        for seq, token in zip(watched, tokens, strict=True):
+            matched = seq.stop_strings.push(token)
+            if matched is not None:
+                seq.beams.finish_running(matched)

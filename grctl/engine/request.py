@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from grctl.engine.search.beam import BeamResult
@@ -20,11 +21,25 @@ def new_request_id() -> str:
 
 
 @dataclass(frozen=True)
+class TextOptions:
+    """How the server spells a result as text; the engine only carries them to the result."""
+
+    skip_special_tokens: bool | None = None  # None: the tokenizer's own default
+    spaces_between_special_tokens: bool | None = None
+    no_stop_trim: bool = False  # keep a matched stop string in `text`
+    return_text_in_logprobs: bool = False  # each logprob entry's text: the token decoded
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
     input_ids: tuple[int, ...]
     sampling: SamplingParams = SamplingParams()
     return_logprob: bool = False
     request_id: str | None = None  # None: the engine assigns one
+    top_logprobs_num: int = 0  # with return_logprob: the k most likely tokens at each step
+    # ids -> text, the server's tokenizer: what sampling.stop strings are matched against
+    detokenize: Callable[[list[int]], str] | None = None
+    text: TextOptions = TextOptions()
 
 
 @dataclass
@@ -48,15 +63,16 @@ class GenerateResult:
     prompt_tokens: int
     output_ids: list[int]  # the top sequence
     finish_reason: str  # "length" | "stop" | "item_complete" | "abort"
-    matched_stop: int | None  # the stop token that ended the top sequence, if any
-    beams: list[BeamResult]  # n > 1: every beam, best first; n == 1: the one sequence
+    matched_stop: int | str | None  # the stop token (or string) that ended the top sequence
+    beams: list[BeamResult]  # the returned beams, best first (each with its logprobs, when asked)
     weight_version: str  # the version the request finished on
     weight_versions: list[str]  # every version its tokens were computed with, in order
-    output_token_logprobs: list[float] | None = None  # per output token, when asked
+    output_token_logprobs: list[float] | None = None  # the top sequence's, when asked
     cached_tokens: int = 0  # prompt tokens served from the prefill cache
     latency_s: float = 0.0
     item_results: list[ItemResult] | None = None  # with a catalog: one per beam, in beam order
     catalog_version: int | None = None  # the catalog version the request was served with
+    text: TextOptions = field(default_factory=TextOptions)  # the request's
     extra: dict = field(default_factory=dict)
 
     @property

@@ -57,7 +57,7 @@ class Scheduler:
         if need > self.kv_bytes_budget:
             raise ValidationError(
                 f"the request needs {need} bytes of KV ({len(req.input_ids)} prompt tokens, "
-                f"{req.sampling.n} beams), more than the server's KV budget of "
+                f"{req.sampling.width} beams), more than the server's KV budget of "
                 f"{self.kv_bytes_budget}",
                 hint="shorten the prompt or the beam width, or start the server with a larger "
                 "--max-kv-bytes",

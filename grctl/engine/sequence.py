@@ -10,7 +10,8 @@ import torch
 
 from grctl.engine.kv_cache import BeamKV, ContextKV
 from grctl.engine.request import GenerateRequest, GenerateResult, ItemResult
-from grctl.engine.search.beam import Beams
+from grctl.engine.search.beam import BeamResult, Beams
+from grctl.engine.search.stop_strings import StopStrings
 
 if TYPE_CHECKING:
     from grctl.catalog.store import Catalog
@@ -29,9 +30,13 @@ class Sequence:
         req: GenerateRequest,
         stop_ids: tuple[int, ...],
         catalog: Catalog | None = None,  # taken at submit: the request keeps this version
+        banned: torch.Tensor | None = None,  # the catalog's nodes its exclude_item_ids close
+        excluded: frozenset = frozenset(),  # those ids, as the catalog spells them
     ):
         self.request_id = request_id
         self.catalog = catalog
+        self.banned = banned
+        self.excluded = excluded
         self.req = req
         self.prompt_key = tuple(req.input_ids)  # the prefill cache's key
         self.prompt = torch.tensor(self.prompt_key, dtype=torch.int64)
@@ -44,6 +49,10 @@ class Sequence:
 
     def _reset(self) -> None:
         self.beams: Beams | None = None
+        sp = self.req.sampling
+        self.stop_strings = (
+            StopStrings(sp.stop, self.req.detokenize) if sp.stop and self.req.detokenize else None
+        )
         self.ctx: ContextKV | None = None
         self.beam_kv: BeamKV | None = None
         self.cached_tokens = 0
@@ -54,7 +63,7 @@ class Sequence:
 
     @property
     def num_beams(self) -> int:
-        return self.req.sampling.n
+        return self.req.sampling.width
 
     @property
     def holds_kv(self) -> bool:
@@ -79,32 +88,44 @@ class Sequence:
         self.beam_kv = None
 
     def to_result(self, weight_version: str, aborted: bool = False) -> GenerateResult:
-        beams, logprobs, nodes = self.beams.results(aborted) if self.beams else ([], [], [])
+        beams = self.beams.results(aborted) if self.beams else []
+        if not self.req.return_logprob:
+            for b in beams:
+                b.output_token_logprobs = b.output_top_logprobs = None
         top = beams[0] if beams else None
         reason = "abort" if aborted or top is None else top.finish_reason
-        matched = top.output_ids[-1] if top is not None and top.finish_reason == "stop" else None
         versions = list(self.weight_versions)
         return GenerateResult(
             request_id=self.request_id,
             prompt_tokens=self.num_prompt_tokens,
             output_ids=list(top.output_ids) if top else [],
             finish_reason=reason,
-            matched_stop=matched,
+            matched_stop=top.matched_stop if top is not None and reason == "stop" else None,
             beams=beams,
             weight_version=versions[-1] if versions else weight_version,
             weight_versions=versions,
-            output_token_logprobs=logprobs if self.req.return_logprob else None,
+            output_token_logprobs=(top.output_token_logprobs if top else [])
+            if self.req.return_logprob
+            else None,
             cached_tokens=self.cached_tokens,
             latency_s=time.monotonic() - self.arrival,
-            item_results=self._item_results(beams, nodes),
+            item_results=self._item_results(beams),
             catalog_version=self.catalog.version if self.catalog is not None else None,
+            text=self.req.text,
         )
 
-    def _item_results(self, beams, nodes: list[int]) -> list[ItemResult] | None:
+    def _item_results(self, beams: list[BeamResult]) -> list[ItemResult] | None:
+        """One row per beam, in beam order, naming each item once: a beam whose every item a
+        better beam already named is left out (several paths may name one item)."""
         if self.catalog is None:
             return None
-        out = []
-        for rank, (beam, node) in enumerate(zip(beams, nodes, strict=True)):
-            ids = self.catalog.item_ids(node)
-            out.append(ItemResult(rank, list(beam.output_ids), ids, bool(ids), beam.sequence_score))
+        out, seen = [], set()
+        for rank, beam in enumerate(beams):
+            ids = [i for i in self.catalog.item_ids(beam.node) if i not in self.excluded]
+            fresh = [i for i in ids if i not in seen]
+            if ids and not fresh:
+                continue
+            seen.update(fresh)
+            tokens = list(beam.output_ids)
+            out.append(ItemResult(rank, tokens, fresh, bool(fresh), beam.sequence_score))
         return out

@@ -4,13 +4,22 @@ what to change, raised before the request is queued."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
+import torch
+
+from grctl.catalog.exclusions import excluded_nodes, excluded_set
 from grctl.engine.request import GenerateRequest
 from grctl.engine.search.logits_processors import check_token_range
 from grctl.errors import ValidationError
 from grctl.model.config import ModelConfig
 
+if TYPE_CHECKING:
+    from grctl.catalog.store import Catalog
+
 MAX_REQUEST_ID_LEN = 256
+MAX_STOP_STRINGS = 32  # SGLang's limit
+MAX_EXCLUDED_ITEMS = 100_000
 
 
 def _is_int(x: object) -> bool:
@@ -47,9 +56,32 @@ def validate_request(
             f"prompt of {len(ids)} tokens + max_new_tokens {sp.max_new_tokens} exceeds the "
             f"context limit of {max_context_len} tokens; shorten the prompt"
         )
+    _check_search(req, vocab, max_beam_width)
+    bad = next((t for t in sp.stop_token_ids if not _is_int(t) or not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ValidationError(f"stop_token_ids holds {bad!r}, not a token id in [0, {vocab})")
+    check_token_range(sp.logits_processors, vocab)
+
+
+def _number_in(value: object, lo: float, hi: float) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and lo <= value <= hi
+
+
+def _check_search(req: GenerateRequest, vocab: int, max_beam_width: int) -> None:
+    sp = req.sampling
     width_limit = min(max_beam_width, vocab)
-    if not _is_int(sp.n) or not 1 <= sp.n <= width_limit:
-        raise ValidationError(f"n (beam width) must be in [1, {width_limit}], got {sp.n!r}")
+    if sp.beam_width is None:
+        if not _is_int(sp.n) or not 1 <= sp.n <= width_limit:
+            raise ValidationError(f"n (beam width) must be in [1, {width_limit}], got {sp.n!r}")
+    else:
+        if not _is_int(sp.beam_width) or not 1 <= sp.beam_width <= width_limit:
+            raise ValidationError(
+                f"beam_width must be in [1, {width_limit}], got {sp.beam_width!r}"
+            )
+        if not _is_int(sp.n) or not 1 <= sp.n:
+            raise ValidationError(f"n must be at least 1, got {sp.n!r}")
+        if sp.n > sp.beam_width:
+            raise ValidationError(f"n ({sp.n}) cannot exceed beam_width ({sp.beam_width}).")
     if not isinstance(sp.temperature, (int, float)) or not (
         math.isfinite(sp.temperature) and sp.temperature >= 0
     ):
@@ -58,12 +90,69 @@ def validate_request(
         raise ValidationError(f"top_p must be in (0, 1], got {sp.top_p!r}")
     if not _is_int(sp.top_k) or not (sp.top_k == -1 or sp.top_k >= 1):
         raise ValidationError(f"top_k must be -1 (whole vocab) or >= 1, got {sp.top_k!r}")
+    if not _number_in(sp.min_p, 0.0, 1.0):
+        raise ValidationError(f"min_p must be in [0, 1], got {sp.min_p!r}")
     if sp.seed is not None and not (_is_int(sp.seed) and -(2**63) <= sp.seed < 2**64):
         raise ValidationError(f"seed must be a 64-bit integer, got {sp.seed!r}")
-    bad = next((t for t in sp.stop_token_ids if not _is_int(t) or not 0 <= t < vocab), None)
-    if bad is not None:
-        raise ValidationError(f"stop_token_ids holds {bad!r}, not a token id in [0, {vocab})")
-    check_token_range(sp.logits_processors, vocab)
+    if not _is_int(sp.min_new_tokens) or not 0 <= sp.min_new_tokens <= sp.max_new_tokens:
+        raise ValidationError(
+            f"min_new_tokens must be in [0, max_new_tokens ({sp.max_new_tokens})], "
+            f"got {sp.min_new_tokens!r}"
+        )
+    if not _number_in(sp.length_penalty, -math.inf, math.inf) or not math.isfinite(
+        sp.length_penalty
+    ):
+        raise ValidationError(f"length_penalty must be a finite number, got {sp.length_penalty!r}")
+    if sp.length_penalty != 0 and (sp.width == 1 or sp.is_stochastic):
+        raise ValidationError(
+            "length_penalty ranks the finished beams of a deterministic beam search: it needs "
+            "more than one beam and temperature 0"
+        )
+    _check_stop_strings(req)
+    if not _is_int(req.top_logprobs_num) or not 0 <= req.top_logprobs_num <= vocab:
+        raise ValidationError(
+            f"top_logprobs_num must be in [0, {vocab}], got {req.top_logprobs_num!r}"
+        )
+
+
+def _check_stop_strings(req: GenerateRequest) -> None:
+    stop = req.sampling.stop
+    if not stop:
+        return
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValidationError(
+            f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stop)}"
+        )
+    if not all(isinstance(s, str) and s for s in stop):
+        raise ValidationError("stop must be a non-empty string or a list of them")
+    if req.sampling.width > 1:
+        raise ValidationError(
+            "Beam search does not support stop strings/regex yet; use stop_token_ids."
+        )
+    if req.detokenize is None:
+        raise ValidationError(
+            "stop strings need a tokenizer in the model directory",
+            hint="send stop_token_ids, or serve a --model-path that holds tokenizer files",
+        )
+
+
+def excluded_of(req: GenerateRequest, catalog: Catalog | None, device: torch.device) -> tuple:
+    """(the catalog nodes a request's exclude_item_ids close, on the device, and those ids as
+    the catalog spells them); (None, frozenset()) when it excludes nothing."""
+    ids = req.sampling.exclude_item_ids
+    if not ids:
+        return None, frozenset()
+    if catalog is None:
+        raise ValidationError(
+            "exclude_item_ids needs the served item catalog",
+            hint="start the server with --catalog, and leave use_catalog true",
+        )
+    if len(ids) > MAX_EXCLUDED_ITEMS:
+        raise ValidationError(
+            f"exclude_item_ids holds {len(ids)} ids; at most {MAX_EXCLUDED_ITEMS} are allowed"
+        )
+    nodes = torch.from_numpy(excluded_nodes(catalog, ids)).to(device)
+    return nodes, frozenset(excluded_set(catalog, ids))
 
 
 def stop_ids_of(req: GenerateRequest, cfg: ModelConfig) -> tuple[int, ...]:

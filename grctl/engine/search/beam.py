@@ -1,171 +1,218 @@
-"""Beams: one request's search state on the device, and how a step's candidates update it.
+"""Beams: one request's search, and the step states it reads its beams from.
 
-Beam search of width n keeps what transformers' `generate(num_beams=n, length_penalty=0,
-early_stopping=False)` keeps: n running beams and a pool of the n best finished ones, scored by
-cumulative log-probability. Each step (beam_select.py) ranks the K best expansions of the running
-beams (K = n * max(2, 1 + stop tokens), transformers' `beams_to_keep`; K = n when no beam can
-end before the last step). A candidate that ends its sequence (a stop token, a completed catalog
-item, or the last allowed token) joins the pool only if it ranks among the first n; the first n
-candidates that do not end become the running beams. A request short of n valid catalog paths
-has fewer beams: a dead beam has score -inf and is never returned. n == 1 is the same with
-K = 1 and a Sampler choosing the token. The search ends when no beam runs, at max_new_tokens,
-or when the pool is full and no running beam can beat its worst entry (log-probabilities only
-fall, so stopping there changes no result).
+A request searches `width` beams (n, or SGLang's beam_width). Deterministic beams (temperature
+0) keep what transformers' `generate(num_beams=w, early_stopping="never")` keeps: w running
+beams and a pool of the w best finished ones, ranked by cumulative log-probability (divided by
+length ** length_penalty in the pool). Each step (beam_select.py) ranks the K best expansions
+(K = w * max(2, 1 + stop tokens), transformers' `beams_to_keep`; K = w when nothing can end
+early); a candidate that ends its sequence (a stop token, a completed catalog item, the last
+allowed token) joins the pool only if it ranks among the first w, and the first w that do not
+end run on. Stochastic beams (temperature > 0) rank by their Gumbel keys (sampler.py), and the
+w largest keys among the pool and the candidates are kept, the finished ones in the pool, so
+the pool ends as w distinct sequences drawn without replacement (width 1: one sample). A dead
+beam has key -inf and is never returned.
+
+The search ends when no beam runs, at max_new_tokens, or, deterministic, when the pool is full
+and no running beam can beat its worst entry (log-probabilities only fall, so stopping there
+changes no result).
+
+Every step writes one StepState for all the requests it advanced, padded to [R, N]; a request
+holds (state, row) for its last step and for each earlier one (its history: the token, the
+parent beam and the reported log-probability of every running beam), so nothing of a beam's
+past is copied when beams reorder. `results()` walks the parents back, once, on the host.
 """
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from grctl.engine.search.sampler import Sampler
+from grctl.engine.search.logits_processors import PHASES, LogitsRule, TokenEdits
+from grctl.engine.search.params import SamplingParams
 
 if TYPE_CHECKING:
     from grctl.catalog.trie import Trie
 
-# reason codes of finished beams; 0: not finished
-STOP, ITEM, LENGTH = 1, 2, 3
-REASONS = {STOP: "stop", ITEM: "item_complete", LENGTH: "length"}
+# reason codes of finished beams; 0: not finished, -1: still running when aborted
+STOP, ITEM, LENGTH, STOP_STRING = 1, 2, 3, 4
+REASONS = {STOP: "stop", ITEM: "item_complete", LENGTH: "length", STOP_STRING: "stop"}
 NEG_INF = float("-inf")
+
+# columns of StepState's packed tensors
+SCORE, KEY, PHI, LP = 0, 1, 2, 3  # run_f; pool_f holds SCORE, KEY and LP (its PHI column)
+NODE, TOKEN, PARENT = 0, 1, 2  # run_i; pool_i adds LENGTH_COL and REASON_COL
+LENGTH_COL, REASON_COL = 3, 4
 
 
 @dataclass
 class BeamResult:
     output_ids: list[int]
-    sequence_score: float  # cumulative log-probability of output_ids
+    sequence_score: float  # cumulative log-probability of output_ids (after the processors)
     finish_reason: str  # "length" | "stop" | "item_complete" | "abort"
+    # the model's log-probability of each token, as reported (log_softmax(logits / T))
+    output_token_logprobs: list[float] | None = None
+    output_top_logprobs: list[list[tuple[float, int]]] | None = None  # per token, best first
+    node: int = 0  # the catalog trie node the beam reached (0: none)
+    matched_stop: int | str | None = None  # the stop token or string that ended it
+
+
+@dataclass(eq=False)
+class StepState:
+    """One step's beams of every request it advanced, row i of each tensor for request i:
+    run_f [R, N, 4] (score, key, phi, lp), run_i [R, N, 3] (node, token, parent), pool_f
+    [R, N, 3] (score, key, lp), pool_i [R, N, 5] (node, token, parent, length, reason), and the
+    top log-probabilities of each beam's last token ([R, N, k] values and ids) when asked."""
+
+    run_f: torch.Tensor
+    run_i: torch.Tensor
+    pool_f: torch.Tensor
+    pool_i: torch.Tensor
+    run_top: tuple[torch.Tensor, torch.Tensor] | None = None
+    pool_top: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class Beams:
     def __init__(
         self,
-        num_beams: int,
-        max_new_tokens: int,
+        params: SamplingParams,
         stop_ids: tuple[int, ...],
-        device: torch.device,
         vocab_size: int,
-        sampler: Sampler | None = None,
+        device: torch.device,
         trie: Trie | None = None,  # the catalog's trie constraining every step
+        banned: torch.Tensor | None = None,  # sorted trie nodes no beam may enter
+        top_logprobs: int = 0,
+        original_logprob: bool = False,  # report log_softmax(logits) whatever the temperature
     ):
-        n, t = num_beams, max_new_tokens
-        self.num_beams = n
-        self.max_new_tokens = t
-        self.sampler = sampler  # n == 1 only
+        self.params = params
+        self.width = w = params.width
+        self.num_return = params.n
+        self.max_new_tokens = params.max_new_tokens
+        self.is_stochastic = params.is_stochastic
         self.trie = trie
+        self.banned = banned
         self.stop_ids = stop_ids
-        self.stop_tensor = torch.tensor(stop_ids, dtype=torch.int64, device=device)
-        # transformers ranks n * max(2, 1 + stop tokens) candidates, so that n survive even when
-        # some end early; with no stop token and no catalog nothing ends before the last step,
-        # and the best n are all that is ever used
+        self.top_logprobs = top_logprobs
+        self.report_temperature = (
+            params.temperature if params.is_stochastic and not original_logprob else 1.0
+        )
+        # transformers ranks w * max(2, 1 + stop tokens) candidates, so that w survive even
+        # when some end early; with nothing that can end early the best w are all that is used.
+        # Stochastic beams keep the w largest keys of pool and candidates: w candidates suffice.
         can_end_early = bool(stop_ids) or trie is not None
-        width = max(2, 1 + len(stop_ids)) * n if can_end_early else n
-        self.num_candidates = 1 if n == 1 else min(width, n * vocab_size)
-        self.tokens = torch.full((n, t), -1, dtype=torch.int64, device=device)  # -1: none
-        self.token_logprobs = torch.zeros((n, t), dtype=torch.float32, device=device)
-        self.scores = torch.full((n,), NEG_INF, dtype=torch.float32, device=device)
-        self.nodes = torch.zeros(n, dtype=torch.int64, device=device)  # trie node of each beam
-        # the pool of finished beams, best first; score -inf: an empty slot
-        self.f_tokens = self.tokens.clone()
-        self.f_logprobs = self.token_logprobs.clone()
-        self.f_lengths = torch.zeros(n, dtype=torch.int64, device=device)
-        self.f_scores = self.scores.clone()
-        self.f_reasons = torch.zeros(n, dtype=torch.int8, device=device)
-        self.f_nodes = self.nodes.clone()
+        k = max(2, 1 + len(stop_ids)) * w if can_end_early and not self.is_stochastic else w
+        self.num_candidates = min(k, w * vocab_size)
+        rules = params.logits_processors
+        self.edits = {phase: TokenEdits.of(rules, phase) for phase in PHASES}
+        # before min_new_tokens: the same, and no stop token
+        no_stop = LogitsRule(tuple(stop_ids), (NEG_INF,) * len(stop_ids), is_bias=False)
+        self.edits_short = {phase: TokenEdits.of((*rules, no_stop), phase) for phase in PHASES}
+        self.generator: torch.Generator | None = None
+        if self.is_stochastic:
+            seed = params.seed if params.seed is not None else secrets.randbits(63)
+            self.generator = torch.Generator(device=device).manual_seed(seed & (2**64 - 1))
+        self.state: StepState | None = None
+        self.row = 0
+        self.history: list[tuple[StepState, int]] = []
         self.num_steps = 0  # tokens chosen so far
         self.is_done = False
+        self.stop_string: str | None = None
 
     @property
     def is_started(self) -> bool:
         return self.num_steps > 0
 
-    def row_scores(self) -> torch.Tensor:
-        """The score of each row this request feeds the next step: one prefill row, then n."""
-        return self.scores if self.is_started else self.scores.new_zeros(1)
+    @property
+    def num_rows(self) -> int:
+        """Rows this request feeds the next step: its prefill row, then one per beam."""
+        return self.width if self.is_started else 1
 
-    def row_nodes(self) -> torch.Tensor:
-        return self.nodes if self.is_started else self.nodes.new_zeros(1)
+    def advance(self, state: StepState, row: int, is_over: bool) -> None:
+        self.state, self.row = state, row
+        self.history.append((state, row))
+        self.num_steps += 1
+        self.is_done = is_over or self.num_steps >= self.max_new_tokens
+
+    def parents(self) -> torch.Tensor:
+        """Each running beam's parent among the previous step's beams, [w]."""
+        return self.state.run_i[self.row, : self.width, PARENT]
 
     def next_input(self) -> torch.Tensor:
-        """The token each beam feeds next, [n] (a dead beam feeds a dummy 0)."""
-        return self.tokens[:, self.num_steps - 1].clamp(min=0)
+        """The token each beam feeds next, [w] (a dead beam feeds a dummy 0)."""
+        return self.state.run_i[self.row, : self.width, TOKEN].clamp(min=0)
 
-    def update(
-        self,
-        scores: torch.Tensor,
-        step_logprobs: torch.Tensor,
-        parents: torch.Tensor,
-        tokens: torch.Tensor,
-        nodes: torch.Tensor,
-        reasons: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Take this step's K candidates, best first ([K] each; reasons int8, 0 = runs on).
+    def last_tokens(self) -> torch.Tensor:
+        return self.state.run_i[self.row, : self.width, TOKEN]
 
-        Returns (parents [n] of the new running beams, the 'search is over' flag as a tensor)."""
-        n, t = self.num_beams, self.num_steps
-        finite = scores > NEG_INF
-        ends = (reasons > 0) & finite
-        runs = ~ends & finite
-        rank = torch.arange(scores.numel(), device=scores.device)
-        joins_pool = ends & (rank < n)
-        runs = runs & (runs.cumsum(0) <= n)
-        hist = self.tokens[parents]  # [K, T]
-        hist[:, t] = tokens
-        hist_lp = self.token_logprobs[parents]
-        hist_lp[:, t] = step_logprobs
-        # running beams: the first n candidates that do not end, in rank order
-        run_scores, pick = torch.where(runs, scores, NEG_INF).topk(min(n, scores.numel()))
-        if pick.numel() < n:  # fewer candidates than beams (a narrow first step): pad dead
-            pad = n - pick.numel()
-            pick = torch.cat((pick, pick.new_zeros(pad)))
-            run_scores = torch.cat((run_scores, run_scores.new_full((pad,), NEG_INF)))
-        self.tokens, self.token_logprobs = hist[pick], hist_lp[pick]
-        self.scores, self.nodes = run_scores, nodes[pick]
-        # the pool: the best n of what it held and the candidates that just ended
-        merged = torch.cat((self.f_scores, torch.where(joins_pool, scores, NEG_INF)))
-        self.f_scores, keep = merged.topk(n)
-        self.f_tokens = torch.cat((self.f_tokens, hist))[keep]
-        self.f_logprobs = torch.cat((self.f_logprobs, hist_lp))[keep]
-        lengths = torch.full_like(tokens, t + 1)
-        self.f_lengths = torch.cat((self.f_lengths, lengths))[keep]
-        self.f_reasons = torch.cat((self.f_reasons, reasons.to(torch.int8)))[keep]
-        self.f_nodes = torch.cat((self.f_nodes, nodes))[keep]
-        self.num_steps = t + 1
-        best_running = self.scores[0]
-        pool_full = self.f_scores[-1] > NEG_INF
-        over = (best_running == NEG_INF) | (pool_full & (best_running <= self.f_scores[-1]))
-        if self.num_steps >= self.max_new_tokens:
-            over = torch.ones_like(over)
-        return parents[pick], over
+    def finish_running(self, stop_string: str) -> None:
+        """End a width-1 search on its running beam, matched by a stop string."""
+        s, i = self.state, self.row
+        s.pool_f[i, 0] = s.run_f[i, 0, [SCORE, KEY, LP]]
+        s.pool_i[i, 0, :3] = s.run_i[i, 0]
+        s.pool_i[i, 0, LENGTH_COL] = self.num_steps
+        s.pool_i[i, 0, REASON_COL] = STOP_STRING
+        if s.pool_top is not None:
+            s.pool_top[0][i, 0], s.pool_top[1][i, 0] = s.run_top[0][i, 0], s.run_top[1][i, 0]
+        self.stop_string = stop_string
+        self.is_done = True
 
-    def results(self, aborted: bool = False) -> tuple[list[BeamResult], list[float], list[int]]:
-        """The returned beams best first, the top one's per-token log-probabilities, and each
-        beam's trie node (for the catalog's item lookup)."""
+    def results(self, aborted: bool = False) -> list[BeamResult]:
+        """The returned beams (num_return of them) best first; aborted: the running beams too,
+        as they stand."""
         if self.num_steps == 0:
-            return [], [], []
-        scores, tokens, lps = self.f_scores, self.f_tokens, self.f_logprobs
-        lengths, reasons, nodes = self.f_lengths, self.f_reasons, self.f_nodes
-        if aborted:  # the running beams too, as they stand
-            running = self.scores > NEG_INF
-            scores = torch.cat((scores, self.scores))
-            tokens = torch.cat((tokens, self.tokens))
-            lps = torch.cat((lps, self.token_logprobs))
-            run_len = (self.tokens >= 0).sum(1)
-            lengths = torch.cat((lengths, run_len))
-            reasons = torch.cat((reasons, torch.where(running, -1, 0).to(torch.int8)))
-            nodes = torch.cat((nodes, self.nodes))
-            scores, keep = scores.topk(self.num_beams)
-            tokens, lps, lengths = tokens[keep], lps[keep], lengths[keep]
-            reasons, nodes = reasons[keep], nodes[keep]
-        alive = (scores > NEG_INF).tolist()
-        rows = zip(
-            tokens.tolist(), lengths.tolist(), scores.tolist(), reasons.tolist(), alive, strict=True
-        )
-        beams = [
-            BeamResult(toks[:length], score, REASONS.get(reason, "abort"))
-            for toks, length, score, reason, ok in rows
-            if ok
-        ]
-        top_lps = lps[0, : len(beams[0].output_ids)].tolist() if beams else []
-        return beams, top_lps, nodes[: len(beams)].tolist()
+            return []
+        s, i, w = self.state, self.row, self.width
+        f, n = s.pool_f[i, :w], s.pool_i[i, :w]
+        top = None
+        if s.pool_top is not None and self.top_logprobs > 0:
+            top = (s.pool_top[0][i, :w], s.pool_top[1][i, :w])
+        if aborted:
+            run_i = s.run_i[i, :w]
+            length = torch.full_like(run_i[:, :1], self.num_steps)
+            f = torch.cat((f, s.run_f[i, :w][:, [SCORE, KEY, LP]]))
+            n = torch.cat((n, torch.cat((run_i, length, torch.full_like(length, -1)), 1)))
+            if top is not None:
+                run_top = (s.run_top[0][i, :w], s.run_top[1][i, :w])
+                top = (torch.cat((top[0], run_top[0])), torch.cat((top[1], run_top[1])))
+        hist_i = torch.stack([st.run_i[r, :w] for st, r in self.history]).tolist()  # [T, w, 3]
+        hist_lp = torch.stack([st.run_f[r, :w, LP] for st, r in self.history]).tolist()
+        hist_top = None
+        if top is not None:
+            hist_top = [
+                (st.run_top[0][r, :w, : self.top_logprobs].tolist(), st.run_top[1][r, :w].tolist())
+                for st, r in self.history
+            ]
+            top = (top[0][:, : self.top_logprobs].tolist(), top[1].tolist())
+        beams = []
+        for j, (score, key, lp) in enumerate(f.tolist()):
+            node, token, parent, length, reason = n[j].tolist()
+            if key == NEG_INF:
+                continue
+            ids, lps, tops = [token], [lp], [_pairs(top, j, self.top_logprobs)]
+            for t in range(length - 2, -1, -1):
+                ids.append(hist_i[t][parent][1])
+                lps.append(hist_lp[t][parent])
+                tops.append(_pairs(hist_top[t] if hist_top else None, parent, self.top_logprobs))
+                parent = hist_i[t][parent][2]
+            ids.reverse(), lps.reverse(), tops.reverse()
+            finish = REASONS.get(reason, "abort")
+            matched = self.stop_string if reason == STOP_STRING else None
+            if reason == STOP:
+                matched = ids[-1]
+            beams.append(
+                (key, BeamResult(ids, score, finish, lps, tops if top else None, node, matched))
+            )
+        beams.sort(key=lambda kb: kb[0], reverse=True)
+        chosen = [b for _, b in beams[: self.num_return]]
+        if self.is_stochastic:  # a sample: shown best score first
+            chosen.sort(key=lambda b: b.sequence_score, reverse=True)
+        return chosen
+
+
+def _pairs(top, j: int, k: int) -> list[tuple[float, int]] | None:
+    if top is None:
+        return None
+    values, ids = top
+    return list(zip(values[j][:k], ids[j][:k], strict=True))

@@ -1,22 +1,38 @@
 """One search step for every request of a batch together, from the step's logits [rows, vocab].
 
-Per row, only what the search can use is computed: the log-sum-exp (so a log-probability is
-logit - lse, with no [rows, vocab] log-softmax kept) and the row's best K candidates: the top K
-logits of a free row, or, for a row under a catalog, its trie node's children gathered in one
-batched gather per catalog (width: the widest fan-out at that depth, known on the host). Then per
-request the best K of its rows' K candidates (n * K of them; one padded topk for all requests),
-which candidates end a sequence, and Beams.update. The only device-to-host copy is the last one:
-every request's "search is over" flag.
+All requests advance in one set of batched ops: the log-sum-exp of every row (a log-probability
+is logit - lse; no [rows, vocab] log-softmax is kept), the request's processors and min_new_tokens
+as one set of edits, each request's K best candidates (candidates.py: per-row top-k, draws or
+Gumbel keys, then a segmented top-k), which of them end a sequence, and the new running beams
+and pools of all requests, padded to [requests, width]. The only device-to-host copy is the
+last: every request's "search is over" flag.
+
+The log-probability reported for a token (return_logprob) is the model's: log_softmax(logits / T)
+at T > 0 (SGLang's default), log_softmax(logits) at T = 0 or with original_logprob, taken before
+the processors and the catalog mask, so that a trainer's forward on the same weights gives it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from grctl.engine.search.beam import ITEM, LENGTH, NEG_INF, STOP, Beams
-from grctl.engine.search.logits_processors import LogitsRule, apply_rules
+from grctl.engine.search import candidates
+from grctl.engine.search.beam import (
+    ITEM,
+    KEY,
+    LENGTH,
+    NEG_INF,
+    NODE,
+    SCORE,
+    STOP,
+    Beams,
+    StepState,
+)
+from grctl.engine.search.candidates import Cands, Group, Parents
+from grctl.engine.search.logits_processors import apply_edits
 
 
 @dataclass
@@ -26,135 +42,204 @@ class Block:
     beams: Beams
     first_row: int
     num_rows: int
-    rules: tuple[LogitsRule, ...] = ()
 
 
-@dataclass
-class _Cands:  # one block's per-row candidates [rows, W]
-    logprobs: torch.Tensor  # log-probabilities (processors applied), -inf where none
-    tokens: torch.Tensor
-    nodes: torch.Tensor  # the trie node each candidate leads to (0 without a catalog)
+def step(logits: torch.Tensor, blocks: list[Block]) -> None:
+    """Advance every block's beams by one token; each Beams holds its new state after."""
+    dev = logits.device
+    logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1)  # [rows]
+    par = _parents(blocks, logits.shape[0], dev)
+    x = _processed(logits, lse, blocks)
+    num_cands = max(b.beams.num_candidates for b in blocks)
+    cands = candidates.collect(x, lse, par, _groups(blocks), len(blocks), num_cands)
+    lp, top = _reported(logits, lse, cands, blocks)
+    reasons = _reasons(cands, blocks, logits.shape[1])
+    _update(blocks, cands, lp, top, reasons)
 
 
-def step(logits: torch.Tensor, blocks: list[Block]) -> list[torch.Tensor]:
-    """Advance every block's beams by one token; returns each block's parents [n]."""
-    lse = torch.logsumexp(logits.float(), dim=-1)  # [rows]
-    if any(b.rules for b in blocks):
-        logits = logits.clone()  # the runner's buffer (or a cached prefill row) stays intact
-        for b in blocks:
-            if b.rules:
-                s = slice(b.first_row, b.first_row + b.num_rows)
-                phase = "decode" if b.beams.is_started else "prefill"
-                apply_rules(logits[s], lse[s], b.rules, phase)
-    cands: dict[int, _Cands] = {}
-    free = [i for i, b in enumerate(blocks) if b.beams.trie is None and b.beams.num_beams > 1]
-    if free:
-        _free_rows(logits, lse, [blocks[i] for i in free], free, cands)
-    by_trie: dict[int, list[int]] = {}
-    for i, b in enumerate(blocks):
-        if b.beams.trie is not None:
-            by_trie.setdefault(id(b.beams.trie), []).append(i)
-    for group in by_trie.values():
-        _catalog_rows(logits, lse, [blocks[i] for i in group], group, cands)
-    for i, b in enumerate(blocks):
-        if b.beams.num_beams == 1:
-            cands[i] = _sampled(b, cands.get(i), logits, lse)
-    return _select(blocks, [cands[i] for i in range(len(blocks))])
+def _tensor(values: list, dtype, dev) -> torch.Tensor:
+    return torch.from_numpy(np.array(values, dtype)).to(dev)
 
 
-def _free_rows(logits, lse, blocks: list[Block], ids: list[int], cands: dict) -> None:
-    k = min(max(b.beams.num_candidates for b in blocks), logits.shape[1])
-    whole = sum(b.num_rows for b in blocks) == logits.shape[0]  # the usual step: no catalog
-    if whole:
-        values, tokens = logits.topk(k, dim=-1)
-        row_lse = lse
-    else:
-        idx = torch.cat([_arange(b, logits.device) for b in blocks])
-        values, tokens = logits.index_select(0, idx).topk(k, dim=-1)
-        row_lse = lse.index_select(0, idx)
-    logprobs = values.float() - row_lse[:, None]
-    start = 0
-    for i, b in zip(ids, blocks, strict=True):
-        first = b.first_row if whole else start
-        s = slice(first, first + b.num_rows)
-        start += b.num_rows
-        cands[i] = _Cands(logprobs[s], tokens[s], torch.zeros_like(tokens[s]))
+def _parents(blocks: list[Block], num_rows: int, dev) -> Parents:
+    """The running beam each row extends, gathered from each request's last state (a prefill
+    row extends the empty prefix: score, key and phi 0)."""
+    f = torch.zeros((num_rows, 3), device=dev)
+    node = torch.zeros(num_rows, dtype=torch.int64, device=dev)
+    for state, items in _by_state(blocks).items():
+        n = state.run_f.shape[1]
+        src = np.concatenate([j * n + np.arange(b.num_rows) for b, j in items])
+        dst = np.concatenate([b.first_row + np.arange(b.num_rows) for b, _ in items])
+        src_t, dst_t = torch.from_numpy(src).to(dev), torch.from_numpy(dst).to(dev)
+        f[dst_t] = state.run_f.view(-1, state.run_f.shape[2])[src_t, :3]
+        node[dst_t] = state.run_i.view(-1, state.run_i.shape[2])[src_t, NODE]
+    return Parents(f[:, 0], f[:, 1], f[:, 2], node)
 
 
-def _catalog_rows(logits, lse, blocks: list[Block], ids: list[int], cands: dict) -> None:
-    trie = blocks[0].beams.trie
-    width = max(trie.width(b.beams.num_steps) for b in blocks)
-    nodes = torch.cat([b.beams.row_nodes() for b in blocks])
-    tokens, children, valid = trie.children(nodes, width)  # [rows, width]
-    rows = torch.cat([_arange(b, logits.device) for b in blocks])
-    logprobs = logits[rows[:, None], tokens].float() - lse[rows][:, None]
-    logprobs = logprobs.masked_fill(~valid, NEG_INF)
-    # a padded entry repeats the next node's children: it leads nowhere (node 0), so that n == 1
-    # matching the chosen token against the row finds the real child only
-    children = children.masked_fill(~valid, 0)
-    k = max(b.beams.num_candidates for b in blocks)
-    if width > k and all(b.beams.num_beams > 1 for b in blocks):
-        logprobs, pick = logprobs.topk(k, dim=-1)
-        tokens, children = tokens.gather(1, pick), children.gather(1, pick)
-    start = 0
-    for i, b in zip(ids, blocks, strict=True):
-        s = slice(start, start + b.num_rows)
-        start += b.num_rows
-        cands[i] = _Cands(logprobs[s], tokens[s], children[s])
+def _by_state(blocks: list[Block]) -> dict[StepState, list[tuple[Block, int]]]:
+    out: dict = {}
+    for b in blocks:
+        if b.beams.is_started:
+            out.setdefault(b.beams.state, []).append((b, b.beams.row))
+    return out
 
 
-def _sampled(b: Block, allowed: _Cands | None, logits, lse) -> _Cands:
-    """n == 1: the Sampler picks one token from the (catalog-masked) distribution."""
-    row = logits[b.first_row].float() - lse[b.first_row]  # [vocab]
-    if allowed is not None:
-        masked = torch.full_like(row, NEG_INF)
-        masked.scatter_reduce_(0, allowed.tokens[0], allowed.logprobs[0], reduce="amax")
-        row = masked
-    token = b.beams.sampler.choose(row)  # [1]
-    node = torch.zeros_like(token)
-    if allowed is not None:
-        hit = allowed.tokens[0] == token
-        node = torch.where(hit, allowed.nodes[0], 0).max().view(1)
-    return _Cands(row[token].view(1, 1), token.view(1, 1), node.view(1, 1))
-
-
-def _arange(b: Block, device) -> torch.Tensor:
-    return torch.arange(b.first_row, b.first_row + b.num_rows, device=device)
-
-
-def _select(blocks: list[Block], cands: list[_Cands]) -> list[torch.Tensor]:
-    device = cands[0].logprobs.device
-    flat_len = max(c.logprobs.numel() for c in cands)
-    keeps = [
-        min(b.beams.num_candidates, c.logprobs.numel()) for b, c in zip(blocks, cands, strict=True)
-    ]
-    num_keep = max(keeps)
-    scores = torch.full((len(blocks), flat_len), NEG_INF, device=device)
-    for i, (b, c) in enumerate(zip(blocks, cands, strict=True)):
-        total = c.logprobs + b.beams.row_scores()[:, None]  # [rows, W]
-        scores[i, : total.numel()] = total.flatten()
-    top, pos = scores.topk(num_keep, dim=-1)  # [requests, K] for all requests at once
-    parents, overs = [], []
-    for i, (b, c) in enumerate(zip(blocks, cands, strict=True)):
+def _processed(logits, lse, blocks: list[Block]) -> torch.Tensor:
+    """The logits after each request's processors (and, before min_new_tokens, with its stop
+    tokens at -inf); the runner's buffer, or a cached prefill row, stays intact."""
+    edits = []
+    for b in blocks:
         beams = b.beams
-        k = min(beams.num_candidates, c.logprobs.numel())
-        width = c.logprobs.shape[1]
-        p = pos[i, :k].clamp(max=c.logprobs.numel() - 1)  # past the end: -inf padding
-        parent, col = p // width, p % width
-        tokens, nodes = c.tokens[parent, col], c.nodes[parent, col]
-        reasons = torch.zeros_like(tokens, dtype=torch.int8)
-        if beams.num_steps + 1 >= beams.max_new_tokens:
-            reasons.fill_(LENGTH)
-        if beams.trie is not None:
-            reasons = torch.where(beams.trie.is_terminal[nodes], ITEM, reasons).to(torch.int8)
-        if beams.stop_ids:
-            is_stop = torch.isin(tokens, beams.stop_tensor)
-            reasons = torch.where(is_stop, STOP, reasons).to(torch.int8)
-        beam_parents, over = beams.update(
-            top[i, :k], c.logprobs[parent, col], parent, tokens, nodes, reasons
+        phase = "decode" if beams.is_started else "prefill"
+        table = beams.edits_short if beams.num_steps < beams.params.min_new_tokens else beams.edits
+        if len(table[phase]):
+            edits.append((b.first_row, b.num_rows, table[phase]))
+    if not edits:
+        return logits
+    x = logits.clone()
+    apply_edits(x, lse, edits)
+    return x
+
+
+def _groups(blocks: list[Block]) -> list[tuple[str, Group]]:
+    """Requests that choose alike: by trie and by kind (det, sample, gumbel)."""
+    groups: dict[tuple, tuple[str, Group]] = {}
+    for i, b in enumerate(blocks):
+        beams = b.beams
+        kind = "det" if not beams.is_stochastic else "sample" if beams.width == 1 else "gumbel"
+        key = (id(beams.trie) if beams.trie is not None else None, kind)
+        if key not in groups:
+            groups[key] = (kind, Group([], [], [], []))
+        g = groups[key][1]
+        g.reqs.append(i)
+        g.beams.append(beams)
+        g.firsts.append(b.first_row)
+        g.num_rows.append(b.num_rows)
+    return list(groups.values())
+
+
+def _reported(logits, lse, cands: Cands, blocks: list[Block]):
+    """The reported log-probability of every candidate [R, K], and the top log-probabilities
+    of its parent row ([R, K, k] values and ids) when a request asks for them."""
+    dev = logits.device
+    temps = [b.beams.report_temperature for b in blocks]
+    k = max(b.beams.top_logprobs for b in blocks)
+    scaled, lse_t = logits, lse
+    if any(t != 1.0 for t in temps):
+        per_row = np.repeat(np.array(temps, np.float32), [b.num_rows for b in blocks])
+        scaled = logits / torch.from_numpy(per_row).to(dev)[:, None]
+        lse_t = torch.logsumexp(scaled, dim=-1)
+    lp = scaled[cands.row, cands.token.clamp(min=0)] - lse_t[cands.row]
+    if k == 0:
+        return lp, None
+    values, ids = (scaled - lse_t[:, None]).topk(min(k, logits.shape[1]), dim=-1)
+    return lp, (values[cands.row], ids[cands.row])
+
+
+def _reasons(cands: Cands, blocks: list[Block], vocab: int) -> torch.Tensor:
+    """Why each candidate ends its sequence, [R, K] int8 (0: it runs on); a stop token first,
+    then a completed item, then the last allowed token."""
+    dev = cands.key.device
+    last = [b.beams.num_steps + 1 >= b.beams.max_new_tokens for b in blocks]
+    reasons = torch.where(_tensor(last, bool, dev)[:, None], LENGTH, 0)
+    reasons = torch.where(cands.item_end, ITEM, reasons)
+    stops = [(i, b.beams.stop_ids) for i, b in enumerate(blocks) if b.beams.stop_ids]
+    if stops:
+        keys = np.concatenate([i * vocab + np.array(ids, np.int64) for i, ids in stops])
+        req = torch.arange(len(blocks), device=dev)[:, None]
+        is_stop = torch.isin(req * vocab + cands.token, torch.from_numpy(keys).to(dev))
+        reasons = torch.where(is_stop, STOP, reasons)
+    return reasons.to(torch.int8)
+
+
+def _update(blocks: list[Block], c: Cands, lp, top, reasons) -> None:
+    """Every request's new running beams and pool (beam.py's rules), in one set of ops."""
+    dev = c.key.device
+    num, k = c.key.shape
+    beams = [b.beams for b in blocks]
+    n = max(b.width for b in beams)
+    width = _tensor([b.width for b in beams], np.int64, dev)
+    stoch = _tensor([b.is_stochastic for b in beams], bool, dev)[:, None]
+    steps = [b.num_steps for b in beams]
+    length = _tensor([s + 1 for s in steps], np.float32, dev)
+    penalty = _tensor([b.params.length_penalty for b in beams], np.float32, dev)
+    first = _tensor([b.first_row for b in blocks], np.int64, dev)
+    prev_f, prev_i, prev_top = _previous_pools(blocks, n, top, dev)
+
+    finite = c.key > NEG_INF
+    ends = (reasons > 0) & finite
+    runs = ~ends & finite
+    rank = torch.arange(k, device=dev)[None]
+    # deterministic: an ending candidate joins the pool if among the first w; the first w that
+    # do not end run on. Stochastic: the w largest keys of pool and candidates are kept.
+    kth = torch.cat((prev_f[..., KEY], c.key), 1).topk(n, dim=1).values
+    in_top = c.key >= kth.gather(1, (width - 1)[:, None])
+    joins = torch.where(stoch, ends & in_top, ends & (rank < width[:, None]))
+    runs = torch.where(stoch, runs & in_top, runs & (runs.cumsum(1) <= width[:, None]))
+    normalized = c.score / length[:, None] ** penalty[:, None]
+    pool_key = torch.where(joins, torch.where(stoch, c.key, normalized), NEG_INF)
+
+    run_key, pick = torch.where(runs, c.key, NEG_INF).topk(n, dim=1)
+    slot = c.row - first[:, None]
+    run_f = torch.stack((c.score, c.key, c.phi, lp), 2).gather(1, _cols(pick, 4))
+    run_f[..., KEY] = run_key
+    # a dead beam (fewer valid candidates than beams) keeps no score: it must not revive
+    run_f[..., SCORE] = run_f[..., SCORE].masked_fill(run_key == NEG_INF, NEG_INF)
+    run_i = torch.stack((c.node, c.token, slot), 2).gather(1, _cols(pick, 3))
+
+    lengths = length.to(torch.int64)[:, None].expand(num, k)
+    cand_f = torch.stack((c.score, pool_key, lp), 2)
+    cand_i = torch.stack((c.node, c.token, slot, lengths, reasons.to(torch.int64)), 2)
+    merged_f, merged_i = torch.cat((prev_f, cand_f), 1), torch.cat((prev_i, cand_i), 1)
+    kept_key, keep = merged_f[..., KEY].topk(n, dim=1)
+    kept_key = kept_key.masked_fill(torch.arange(n, device=dev)[None] >= width[:, None], NEG_INF)
+    pool_f = merged_f.gather(1, _cols(keep, 3))
+    pool_f[..., KEY] = kept_key
+    pool_i = merged_i.gather(1, _cols(keep, 5))
+    run_top = pool_top = None
+    if top is not None:
+        kt = top[0].shape[2]
+        run_top = (top[0].gather(1, _cols(pick, kt)), top[1].gather(1, _cols(pick, kt)))
+        pool_top = tuple(
+            torch.cat((p, t), 1).gather(1, _cols(keep, kt))
+            for p, t in zip(prev_top, top, strict=True)
         )
-        parents.append(beam_parents)
-        overs.append(over)
-    for b, over in zip(blocks, torch.stack(overs).tolist(), strict=True):
-        b.beams.is_done = bool(over)
-    return parents
+
+    best = run_f[:, 0, SCORE].where(run_key[:, 0] > NEG_INF, NEG_INF)
+    worst = kept_key.gather(1, (width - 1)[:, None]).squeeze(1)
+    max_new = _tensor([b.max_new_tokens for b in beams], np.float32, dev)
+    # the best normalised score a running beam could still reach, at some length to come
+    bound = torch.maximum(best / length**penalty, best / max_new**penalty)
+    bound = torch.where(penalty == 0, best, bound)
+    det_over = (best == NEG_INF) | ((worst > NEG_INF) & (bound <= worst))
+    over = torch.where(stoch[:, 0], run_key[:, 0] == NEG_INF, det_over)
+    state = StepState(run_f, run_i, pool_f, pool_i, run_top, pool_top)
+    for i, (b, is_over) in enumerate(zip(beams, over.tolist(), strict=True)):
+        b.advance(state, i, is_over)
+
+
+def _cols(index: torch.Tensor, num: int) -> torch.Tensor:
+    return index[..., None].expand(*index.shape, num)
+
+
+def _previous_pools(blocks: list[Block], n: int, top, dev):
+    """Each request's pool before this step, padded to [R, n] (empty before the first step)."""
+    num = len(blocks)
+    f = torch.full((num, n, 3), NEG_INF, device=dev)
+    i = torch.zeros((num, n, 5), dtype=torch.int64, device=dev)
+    kt = 0 if top is None else top[0].shape[2]
+    tv = torch.full((num, n, kt), NEG_INF, device=dev)
+    ti = torch.zeros((num, n, kt), dtype=torch.int64, device=dev)
+    index = {id(b): r for r, b in enumerate(blocks)}
+    for state, items in _by_state(blocks).items():
+        reqs = torch.tensor([index[id(b)] for b, _ in items], device=dev)
+        rows = torch.tensor([j for _, j in items], device=dev)
+        c = min(n, state.pool_f.shape[1])
+        f[reqs, :c] = state.pool_f[rows, :c]
+        i[reqs, :c] = state.pool_i[rows, :c]
+        if kt and state.pool_top is not None:
+            kp = min(kt, state.pool_top[0].shape[2])
+            tv[reqs, :c, :kp] = state.pool_top[0][rows, :c, :kp]
+            ti[reqs, :c, :kp] = state.pool_top[1][rows, :c, :kp]
+    return f, i, (tv, ti)

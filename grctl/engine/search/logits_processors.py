@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from grctl.errors import ValidationError
@@ -92,16 +93,53 @@ def check_token_range(rules: tuple[LogitsRule, ...], vocab_size: int) -> None:
             )
 
 
-def apply_rules(
-    rows: torch.Tensor, lse: torch.Tensor, rules: tuple[LogitsRule, ...], phase: str
+@dataclass(frozen=True)
+class TokenEdits:
+    """What a request's rules do to one phase's log-probabilities, one entry per token: set
+    (log-probability := value) or add (+= value), the rules composed in order."""
+
+    tokens: np.ndarray  # [m] int64
+    values: np.ndarray  # [m] float64
+    is_set: np.ndarray  # [m] bool
+
+    @classmethod
+    def of(cls, rules: tuple[LogitsRule, ...], phase: str) -> TokenEdits:
+        net: dict[int, tuple[bool, float]] = {}
+        for rule in rules:
+            if phase not in rule.phases:
+                continue
+            for token, value in zip(rule.token_ids, rule.values, strict=True):
+                was_set, acc = net.get(token, (False, 0.0))
+                net[token] = (was_set, acc + value) if rule.is_bias else (True, value)
+        tokens = np.fromiter(net, np.int64, len(net))
+        values = np.array([v for _, v in net.values()], np.float64)
+        is_set = np.array([s for s, _ in net.values()], bool)
+        return cls(tokens, values, is_set)
+
+    def __len__(self) -> int:
+        return int(self.tokens.size)
+
+
+def apply_edits(
+    x: torch.Tensor, lse: torch.Tensor, edits: list[tuple[int, int, TokenEdits]]
 ) -> None:
-    """rows [r, vocab] logits of one request (log-probabilities + lse [r]), changed in place."""
-    for rule in rules:
-        if phase not in rule.phases or not rule.token_ids:
+    """x [rows, vocab] logits (log-probabilities + lse [rows]), changed in place by every
+    (first_row, num_rows, edits) in one set and one add for all of them."""
+    edits = [(first, n, e) for first, n, e in edits if len(e)]
+    if not edits:
+        return
+    rows = np.concatenate([np.repeat(np.arange(f, f + n), len(e)) for f, n, e in edits])
+    tokens = np.concatenate([np.tile(e.tokens, n) for _, n, e in edits])
+    values = np.concatenate([np.tile(e.values, n) for _, n, e in edits])
+    is_set = np.concatenate([np.tile(e.is_set, n) for _, n, e in edits])
+    dev = x.device
+    for mask, setting in ((is_set, True), (~is_set, False)):
+        if not mask.any():
             continue
-        idx = torch.tensor(rule.token_ids, device=rows.device)
-        values = torch.tensor(rule.values, dtype=rows.dtype, device=rows.device)
-        if rule.is_bias:
-            rows.index_add_(1, idx, values.expand(rows.shape[0], -1).contiguous())
+        r = torch.from_numpy(rows[mask]).to(dev)
+        t = torch.from_numpy(tokens[mask]).to(dev)
+        v = torch.from_numpy(values[mask]).to(dev, x.dtype)
+        if setting:
+            x.index_put_((r, t), v + lse[r].to(x.dtype))
         else:
-            rows[:, idx] = values + lse[:, None].to(rows.dtype)
+            x.index_put_((r, t), v, accumulate=True)

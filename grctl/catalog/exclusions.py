@@ -1,0 +1,126 @@
+"""Excluded items (a user's history): the trie nodes no beam of a request may enter.
+
+A path is closed when every item on it is excluded, and so is every node whose reachable paths
+(a beam stops at the first item it completes, so a path that runs on past an item is not
+reachable) are all closed: walking up from each closed path, a beam never enters a prefix that
+could only end at excluded items. The index this needs (the item ids sorted, each row's node,
+each node's parent and reachable paths) is built once per catalog, on the first request that
+excludes anything.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from grctl.catalog.store import Catalog
+
+_indexes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Trie -> _Index
+_lock = threading.Lock()
+
+
+class _Index:
+    def __init__(self, catalog: Catalog):
+        trie, ids = catalog.trie, catalog.ids
+        self.is_int = ids.ints is not None
+        if self.is_int:
+            keys = ids.ints
+        else:  # fixed-width bytes: one numpy array, sortable, no Python object per item
+            lens = np.diff(ids.offsets)
+            width = max(int(lens.max(initial=1)), 1)
+            blob = np.frombuffer(ids.blob, np.uint8)
+            cols = np.arange(width)
+            at = ids.offsets[:-1, None] + cols
+            chars = np.where(cols < lens[:, None], blob[np.minimum(at, max(blob.size - 1, 0))], 0)
+            keys = np.ascontiguousarray(chars.astype(np.uint8)).view(f"S{width}").ravel()
+            self.width = width
+        self.order = np.argsort(keys, kind="stable")
+        self.sorted = keys[self.order]
+        offsets = trie.item_offsets
+        self.items_per_node = np.diff(offsets)
+        self.node_of_row = np.empty(len(ids), np.int64)
+        nodes = np.arange(trie.num_nodes)
+        self.node_of_row[trie.item_index] = np.repeat(nodes, self.items_per_node)
+        child_offsets = trie.child_offsets.cpu().numpy().astype(np.int64)
+        self.parent = np.zeros(trie.num_nodes, np.int64)
+        self.parent[1:] = np.repeat(np.arange(trie.num_nodes), np.diff(child_offsets))
+        self.reach = _reachable_paths(child_offsets, self.items_per_node > 0, self.parent)
+
+    def rows_of(self, item_ids: tuple) -> np.ndarray:
+        if self.is_int:
+            keys = [k for k in map(_as_int, item_ids) if k is not None]
+            query = np.array(keys, np.int64)
+        else:
+            enc = [str(x).encode() for x in item_ids]
+            query = np.array([e for e in enc if len(e) <= self.width], f"S{self.width}")
+        lo = np.searchsorted(self.sorted, query, side="left")
+        hi = np.searchsorted(self.sorted, query, side="right")
+        if not query.size:
+            return np.zeros(0, np.int64)
+        return self.order[np.concatenate([np.arange(a, b) for a, b in zip(lo, hi, strict=True)])]
+
+
+def _as_int(x: object) -> int | None:
+    try:
+        return int(x) if not isinstance(x, bool) else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _reachable_paths(child_offsets: np.ndarray, terminal: np.ndarray, parent: np.ndarray):
+    """Per node, the paths a beam entering it can still complete (an item's node counts one:
+    the beam stops there). Nodes are numbered by depth, so each level is a contiguous range."""
+    levels = [(0, 1)]
+    while True:
+        a, b = levels[-1]
+        na, nb = int(child_offsets[a]) + 1, int(child_offsets[b]) + 1
+        if na >= nb:
+            break
+        levels.append((na, nb))
+    reach = terminal.astype(np.int64)
+    for a, b in reversed(levels[1:]):  # deepest first: a node's count is whole before it adds
+        up = parent[a:b]
+        np.add.at(reach, up, np.where(terminal[up], 0, reach[a:b]))
+    return reach
+
+
+def _index_of(catalog: Catalog) -> _Index:
+    with _lock:
+        index = _indexes.get(catalog.trie)
+        if index is None:
+            index = _indexes[catalog.trie] = _Index(catalog)
+        return index
+
+
+def excluded_nodes(catalog: Catalog, item_ids: tuple) -> np.ndarray:
+    """The sorted trie nodes closed by excluding `item_ids` (ids not in the catalog: ignored)."""
+    index = _index_of(catalog)
+    rows = index.rows_of(item_ids)
+    nodes, hits = np.unique(index.node_of_row[rows], return_counts=True)
+    closed = nodes[hits == index.items_per_node[nodes]].tolist()
+    out, lost = set(closed), {}
+    for node in closed:
+        ancestors = []
+        p = int(index.parent[node])
+        while p != 0:
+            ancestors.append(p)
+            p = int(index.parent[p])
+        if any(index.items_per_node[a] for a in ancestors):
+            continue  # an item on the way ends every beam first: this path is never reached
+        for a in ancestors:
+            lost[a] = lost.get(a, 0) + 1
+            if lost[a] == index.reach[a]:
+                out.add(a)
+    return np.array(sorted(out), np.int64)
+
+
+def excluded_set(catalog: Catalog, item_ids: tuple) -> set:
+    """The excluded ids as the catalog spells them (ints, or strings), to filter item_results."""
+    index = _index_of(catalog)
+    if index.is_int:
+        return {k for k in map(_as_int, item_ids) if k is not None}
+    return {str(x) for x in item_ids}
