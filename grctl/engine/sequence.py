@@ -112,6 +112,7 @@ class Sequence:
             item_results=self._item_results(beams),
             catalog_version=self.catalog.version if self.catalog is not None else None,
             text=self.req.text,
+            beam_width=self.req.sampling.beam_width,
         )
 
     def _item_results(self, beams: list[BeamResult]) -> list[ItemResult] | None:

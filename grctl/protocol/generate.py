@@ -14,15 +14,42 @@ TokenId = Annotated[int, Meta(ge=0)]
 
 class SamplingParamsBody(Struct, kw_only=True):
     max_new_tokens: PosInt = 1
-    n: PosInt = 1  # n > 1: beam search of width n
-    temperature: Annotated[float, Meta(ge=0.0)] = 0.0
+    # grctl's form: n is the beam width, every beam returned. SGLang's: beam_width W searches W
+    # beams and returns the best n <= W.
+    n: PosInt = 1
+    beam_width: PosInt | None = None
+    temperature: Annotated[float, Meta(ge=0.0)] = 0.0  # > 0 with several beams: distinct samples
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Meta(ge=-1)] = -1  # -1: the whole vocabulary
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
     seed: int | None = None
+    sampling_seed: int | None = None  # SGLang's name of seed
     stop_token_ids: list[TokenId] | None = None
+    stop: str | list[str] | None = None  # stop strings: one beam, needs a tokenizer
     ignore_eos: bool = False
+    min_new_tokens: Annotated[int, Meta(ge=0)] = 0
+    length_penalty: float = 0.0  # deterministic beams: score / length ** length_penalty
+    skip_special_tokens: bool | None = None  # text only; None: the tokenizer's default
+    spaces_between_special_tokens: bool | None = None
+    no_stop_trim: bool = False  # keep the matched stop token or string in text
     use_catalog: bool = True  # false: not constrained to the served item catalog
+    exclude_item_ids: list[int | str] | None = None  # no beam completes these catalog items
     logits_processors: list[Any] | None = None  # also accepted at the top level
+    # SGLang knobs grctl does not implement: a 400 naming them unless they hold the value that
+    # changes nothing (server/sampling.py)
+    frequency_penalty: Any = None
+    presence_penalty: Any = None
+    repetition_penalty: Any = None
+    stop_regex: Any = None
+    json_schema: Any = None
+    regex: Any = None
+    ebnf: Any = None
+    structural_tag: Any = None
+    logit_bias: Any = None
+    custom_params: Any = None
+    watermark: Any = None
+    choice: Any = None
+    stream_interval: Any = None  # no streaming: nothing to pace
 
 
 class GenerateBody(Struct, kw_only=True):
@@ -31,12 +58,21 @@ class GenerateBody(Struct, kw_only=True):
     text: str | list[str] | None = None  # needs a tokenizer in the model directory
     # One for all prompts of a batch, or one per prompt.
     sampling_params: SamplingParamsBody | list[SamplingParamsBody] | None = None
-    return_logprob: bool = False
+    return_logprob: bool = False  # every returned beam's output_token_logprobs
+    top_logprobs_num: Annotated[int, Meta(ge=0)] = 0  # with return_logprob: output_top_logprobs
+    logprob_start_len: int = -1  # -1 (or the prompt's length): no prompt logprobs
+    return_text_in_logprobs: bool = False  # each logprob entry's text: its token decoded
     rid: str | list[str] | None = None  # a batch takes a list, one id per prompt
     request_id: str | None = None  # alias of rid (one prompt)
     stream: bool = False  # streaming is not supported: true is a 400
     # [{"type": "token_suppress" | "token_bias", ...}] (grctl/engine/search/logits_processors.py)
     logits_processors: list[Any] | None = None
+    # SGLang fields grctl does not implement: a 400 naming them when set
+    token_ids_logprob: Any = None
+    return_hidden_states: Any = None
+    custom_logit_processor: Any = None
+    return_sampling_mask: Any = None
+    lora_path: Any = None
 
 
 class SubmitManyBody(Struct, kw_only=True):
@@ -55,17 +91,34 @@ class AbortRequestBody(Struct, kw_only=True):
 
 class FinishReason(Struct, kw_only=True, omit_defaults=True):
     type: str = ""  # "length" | "stop" | "item_complete" | "abort"; the server always sends one
-    matched: int | None = None  # the stop token, when type == "stop"
+    matched: int | str | None = None  # the stop token or string, when type == "stop"
     length: int | None = None  # the number of generated tokens, when type == "length"
 
 
-class BeamMetaInfo(Struct, kw_only=True):
-    sequence_score: float = 0.0  # cumulative log-probability of output_ids
+# SGLang's shape: one [logprob, token_id, token_text] per token; text null unless
+# return_text_in_logprobs
+LogprobEntry = tuple[float, int, str | None]
+
+
+class BeamMetaInfo(Struct, kw_only=True, omit_defaults=True):
+    sequence_score: float = 0.0  # cumulative log-probability of output_ids (after processors)
     finish_reason: FinishReason | None = None
+    # beam_width form: beam 0 carries the completion tokens of every returned beam (SGLang)
+    completion_tokens: int | None = None
+    output_token_logprobs: list[LogprobEntry] | None = None  # this beam's, with return_logprob
+    output_top_logprobs: list[list[LogprobEntry]] | None = None  # with top_logprobs_num
+
+
+class StrictBeamMetaInfo(BeamMetaInfo, kw_only=True, omit_defaults=True):
+    """What the server sends for a beam: these keys always, the optional ones when set."""
+
+    sequence_score: float
+    finish_reason: FinishReason | None
 
 
 class BeamOut(Struct, kw_only=True):
     output_ids: list[int] = msgspec.field(default_factory=list)
+    text: str | None = None  # decoded with a tokenizer, else the ids joined by spaces
     meta_info: BeamMetaInfo = msgspec.field(default_factory=BeamMetaInfo)
 
 
@@ -80,8 +133,13 @@ class MetaInfo(Struct, kw_only=True):
     beam_width: int = 1
     beam_results: list[BeamOut] = msgspec.field(default_factory=list)
     e2e_latency: float = 0.0
-    # SGLang's shape: one [logprob, token_id, token_text] per output token; text is always null.
-    output_token_logprobs: list[tuple[float, int, None]] | None = None
+    sequence_score: float | None = None  # beam_width form: beam 0's (SGLang)
+    # the top beam's, with return_logprob; every beam's own under beam_results
+    output_token_logprobs: list[LogprobEntry] | None = None
+    output_token_logprobs_length: int | None = None
+    output_top_logprobs: list[list[LogprobEntry]] | None = None  # with top_logprobs_num
+    input_token_logprobs: list[LogprobEntry] | None = None  # [] (no prompt logprobs)
+    input_top_logprobs: list[Any] | None = None
     # with an item catalog: one row per beam, in beam order, and the catalog's version
     item_results: list[ItemResultOut] | None = None
     catalog_version: int | None = None

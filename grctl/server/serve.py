@@ -7,6 +7,7 @@ aborted at the signal (GrctlServer), since they could never finish.
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 
@@ -63,6 +64,11 @@ def serve(config: ServeConfig) -> None:
         timeout_graceful_shutdown=int(DRAIN_TIMEOUT_S),
         lifespan="on",
     )
+    # Start-up (torch, the model, the app) leaves millions of long-lived objects: collect once
+    # and freeze them, so that no request pays a full collection over them (0.5 s, seen as the
+    # first request's latency)
+    gc.collect()
+    gc.freeze()
     GrctlServer(uv_config, engine).run()
 
 

@@ -6,19 +6,21 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from grctl.engine.request import GenerateRequest, GenerateResult, SamplingParams, new_request_id
-from grctl.engine.search.logits_processors import parse_logits_processors
+from grctl.engine.request import GenerateRequest, GenerateResult, TextOptions, new_request_id
+from grctl.engine.search.beam import BeamResult
 from grctl.errors import DuplicateRequestId, ValidationError
 from grctl.protocol.catalog import ItemResultOut
 from grctl.protocol.generate import (
-    BeamMetaInfo,
     BeamOut,
     FinishReason,
     GenerateBody,
     GenerateResponse,
+    LogprobEntry,
     SamplingParamsBody,
+    StrictBeamMetaInfo,
     StrictMetaInfo,
 )
+from grctl.server.sampling import check_body, sampling_of, text_options_of
 
 log = logging.getLogger("grctl.server")
 
@@ -90,35 +92,26 @@ def to_requests(
     if len(set(given)) != len(given):
         raise DuplicateRequestId("the batch repeats a rid; nothing was queued")
     params = per_prompt(body.sampling_params, len(rows), "sampling_params")
-    reqs = [
-        GenerateRequest(
-            input_ids=tuple(row),
-            sampling=sampling_of(body, sp or SamplingParamsBody()),
-            return_logprob=body.return_logprob,
-            request_id=rid or new_request_id(),
+    check_body(body)
+    detokenize = tokenizer.decode if tokenizer is not None else None
+    reqs = []
+    for row, sp, rid in zip(rows, params, rids, strict=True):
+        sp = sp or SamplingParamsBody()
+        reqs.append(
+            GenerateRequest(
+                input_ids=tuple(row),
+                sampling=sampling_of(body, sp),
+                return_logprob=body.return_logprob,
+                request_id=rid or new_request_id(),
+                top_logprobs_num=body.top_logprobs_num,
+                detokenize=detokenize,
+                text=text_options_of(body, sp),
+            )
         )
-        for row, sp, rid in zip(rows, params, rids, strict=True)
-    ]
     return reqs, is_batch
 
 
-def sampling_of(body: GenerateBody, sp: SamplingParamsBody) -> SamplingParams:
-    return SamplingParams(
-        max_new_tokens=sp.max_new_tokens,
-        n=sp.n,
-        temperature=sp.temperature,
-        top_p=sp.top_p,
-        top_k=sp.top_k,
-        seed=sp.seed,
-        stop_token_ids=tuple(sp.stop_token_ids or ()),
-        ignore_eos=sp.ignore_eos,
-        use_catalog=sp.use_catalog,
-        logits_processors=parse_logits_processors(body.logits_processors)
-        + parse_logits_processors(sp.logits_processors),
-    )
-
-
-def finish_reason(kind: str, output_ids: list[int], matched: int | None) -> FinishReason:
+def finish_reason(kind: str, output_ids: list[int], matched: int | str | None) -> FinishReason:
     if kind == "stop":
         return FinishReason(type="stop", matched=matched)
     if kind == "length":
@@ -126,33 +119,102 @@ def finish_reason(kind: str, output_ids: list[int], matched: int | None) -> Fini
     return FinishReason(type=kind)
 
 
-def ids_text(output_ids: list[int], tokenizer: Any | None) -> str:
+def ids_text(
+    output_ids: list[int], tokenizer: Any | None, opts: TextOptions = TextOptions()
+) -> str:
     if tokenizer is None:
         return " ".join(map(str, output_ids))
-    return tokenizer.decode(output_ids)
+    kw = {}
+    if opts.skip_special_tokens is not None:
+        kw["skip_special_tokens"] = opts.skip_special_tokens
+    if opts.spaces_between_special_tokens is not None:
+        kw["spaces_between_special_tokens"] = opts.spaces_between_special_tokens
+    return tokenizer.decode(output_ids, **kw)
+
+
+def beam_text(beam: BeamResult, tokenizer: Any | None, opts: TextOptions) -> str:
+    """A beam's text as SGLang spells it: without the stop token or string that ended it,
+    unless no_stop_trim."""
+    ids = beam.output_ids
+    if opts.no_stop_trim or beam.finish_reason != "stop":
+        return ids_text(ids, tokenizer, opts)
+    if isinstance(beam.matched_stop, str):
+        text = ids_text(ids, tokenizer, opts)
+        cut = text.find(beam.matched_stop)
+        return text[:cut] if cut >= 0 else text
+    return ids_text(ids[:-1], tokenizer, opts)
+
+
+def _entries(
+    lps: list[float], ids: list[int], tokenizer: Any | None, opts: TextOptions
+) -> list[LogprobEntry]:
+    spell = opts.return_text_in_logprobs and tokenizer is not None
+    return [
+        (float(lp), int(t), tokenizer.decode([t]) if spell else None)
+        for lp, t in zip(lps, ids, strict=True)
+    ]
+
+
+def _top_entries(beam: BeamResult, tokenizer: Any | None, opts: TextOptions):
+    if beam.output_top_logprobs is None:
+        return None
+    return [
+        _entries([lp for lp, _ in pairs], [t for _, t in pairs], tokenizer, opts)
+        for pairs in beam.output_top_logprobs
+    ]
+
+
+def _beam_out(
+    b: BeamResult, result: GenerateResult, tokenizer: Any | None, completion_tokens: int | None
+) -> BeamOut:
+    opts = result.text
+    lps = None
+    if b.output_token_logprobs is not None:
+        lps = _entries(b.output_token_logprobs, b.output_ids, tokenizer, opts)
+    return BeamOut(
+        output_ids=b.output_ids,
+        text=beam_text(b, tokenizer, opts),
+        meta_info=StrictBeamMetaInfo(
+            sequence_score=b.sequence_score,
+            finish_reason=finish_reason(b.finish_reason, b.output_ids, b.matched_stop),
+            completion_tokens=completion_tokens,
+            output_token_logprobs=lps,
+            output_top_logprobs=_top_entries(b, tokenizer, opts),
+        ),
+    )
+
+
+def _items(result: GenerateResult) -> list[ItemResultOut] | None:
+    if result.item_results is None:
+        return None
+    return [
+        ItemResultOut(
+            rank=r.rank,
+            token_ids=r.token_ids,
+            item_ids=r.item_ids,
+            item_id=r.item_id,
+            is_complete=r.is_complete,
+            score=r.score,
+        )
+        for r in result.item_results
+    ]
 
 
 def to_response(result: GenerateResult, tokenizer: Any | None = None) -> GenerateResponse:
+    """SGLang's reply: the best beam at the top level, every returned beam under
+    meta_info.beam_results; with beam_width (SGLang's form) beam 0 also carries the summed
+    completion_tokens and the top level its sequence_score."""
+    sglang_form = result.beam_width is not None
+    summed = result.completion_tokens if sglang_form else None
     beams = [
-        BeamOut(
-            output_ids=b.output_ids,
-            meta_info=BeamMetaInfo(
-                sequence_score=b.sequence_score,
-                finish_reason=finish_reason(
-                    b.finish_reason,
-                    b.output_ids,
-                    b.output_ids[-1] if b.finish_reason == "stop" and b.output_ids else None,
-                ),
-            ),
-        )
-        for b in result.beams
+        _beam_out(b, result, tokenizer, summed if i == 0 else None)
+        for i, b in enumerate(result.beams)
     ]
-    logprobs = None
+    top = result.beams[0] if result.beams else None
+    logprobs = top_lps = None
     if result.output_token_logprobs is not None:
-        logprobs = [
-            (float(lp), int(t), None)
-            for lp, t in zip(result.output_token_logprobs, result.output_ids, strict=False)
-        ]
+        logprobs = _entries(result.output_token_logprobs, result.output_ids, tokenizer, result.text)
+        top_lps = _top_entries(top, tokenizer, result.text) if top is not None else None
     meta = StrictMetaInfo(
         id=result.request_id,
         prompt_tokens=result.prompt_tokens,
@@ -161,25 +223,17 @@ def to_response(result: GenerateResult, tokenizer: Any | None = None) -> Generat
         finish_reason=finish_reason(result.finish_reason, result.output_ids, result.matched_stop),
         weight_version=result.weight_version,
         weight_versions=list(result.weight_versions),
-        beam_width=max(1, len(result.beams)),
+        beam_width=result.beam_width or max(1, len(result.beams)),
         beam_results=beams,
         e2e_latency=result.latency_s,
+        sequence_score=top.sequence_score if sglang_form and top is not None else None,
         output_token_logprobs=logprobs,
-        item_results=None
-        if result.item_results is None
-        else [
-            ItemResultOut(
-                rank=r.rank,
-                token_ids=r.token_ids,
-                item_ids=r.item_ids,
-                item_id=r.item_id,
-                is_complete=r.is_complete,
-                score=r.score,
-            )
-            for r in result.item_results
-        ],
+        output_token_logprobs_length=None if logprobs is None else len(logprobs),
+        output_top_logprobs=top_lps,
+        input_token_logprobs=None if logprobs is None else [],
+        input_top_logprobs=None if top_lps is None else [],
+        item_results=_items(result),
         catalog_version=result.catalog_version,
     )
-    return GenerateResponse(
-        text=ids_text(result.output_ids, tokenizer), output_ids=result.output_ids, meta_info=meta
-    )
+    text = beam_text(top, tokenizer, result.text) if top is not None else ""
+    return GenerateResponse(text=text, output_ids=result.output_ids, meta_info=meta)

@@ -219,6 +219,7 @@ def test_strict_variants_only_require_what_the_server_always_sends():
     ]
     assert {c.__name__ for c in stricts} == {
         "StrictMetaInfo",
+        "StrictBeamMetaInfo",
         "StrictFlushCacheResponse",
         "StrictWeightsCheckerResponse",
     }
@@ -237,7 +238,12 @@ def test_strict_replies_leave_out_only_unset_optional_keys():
     )  # fmt: skip
     sent = msgspec.to_builtins(meta)
     assert set(sent) == field_names(generate.MetaInfo) - {
+        "sequence_score",
         "output_token_logprobs",
+        "output_token_logprobs_length",
+        "output_top_logprobs",
+        "input_token_logprobs",
+        "input_top_logprobs",
         "item_results",
         "catalog_version",
     }

@@ -23,12 +23,12 @@ def segment_topk(
     top = values.new_full((num, k), NEG_INF)
     pos = torch.full((num, k), n, dtype=torch.int64, device=dev)
     widths = 1 << np.ceil(np.log2(np.maximum(np.maximum(lengths, k), 1))).astype(np.int64)
-    for width in np.unique(widths):
+    for width in sorted(set(widths.tolist())):
         sel = np.flatnonzero(widths == width)
         rows = torch.from_numpy(sel).to(dev)
         seg = torch.from_numpy(np.stack((starts[sel], lengths[sel]), 1)).to(dev)  # [s, 2]
         cols = torch.arange(int(width), device=dev)
-        idx = torch.where(cols[None] < seg[:, 1:], seg[:, :1] + cols[None], n)
+        idx = (seg[:, :1] + cols[None]).masked_fill(cols[None] >= seg[:, 1:], n)
         v, p = padded[idx].topk(k, dim=-1)
         top[rows] = v
         pos[rows] = idx.gather(1, p)

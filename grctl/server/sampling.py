@@ -1,0 +1,111 @@
+"""SGLang's sampling parameters on the wire -> the engine's SamplingParams and TextOptions.
+
+What grctl implements is mapped; what it does not (penalties, grammars, logit_bias, prompt
+logprobs...) is refused with a 400 naming the parameter, unless it holds the value that changes
+nothing (frequency_penalty 0, repetition_penalty 1, an empty json_schema...), so that a trainer
+recomputing log-probabilities never silently disagrees with what was sampled.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from grctl.engine.request import SamplingParams, TextOptions
+from grctl.engine.search.logits_processors import parse_logits_processors
+from grctl.errors import ValidationError
+from grctl.protocol.generate import GenerateBody, SamplingParamsBody
+
+# sampling_params keys grctl does not implement -> the values that change nothing
+_NEUTRAL: dict[str, tuple] = {
+    "frequency_penalty": (0,),
+    "presence_penalty": (0,),
+    "repetition_penalty": (1,),
+    "stop_regex": ("", ()),
+    "json_schema": ("",),
+    "regex": ("",),
+    "ebnf": ("",),
+    "structural_tag": ("",),
+    "logit_bias": ({},),
+    "custom_params": ({},),
+    "watermark": ({},),
+    "choice": ((),),
+}
+# top-level keys, the same way
+_NEUTRAL_TOP: dict[str, tuple] = {
+    "token_ids_logprob": ((),),
+    "return_hidden_states": (False,),
+    "custom_logit_processor": ("",),
+    "return_sampling_mask": (False,),
+    "lora_path": ("",),
+}
+
+
+def _is_neutral(value: Any, neutral: tuple) -> bool:
+    if value is None:
+        return True
+    if isinstance(value, list):
+        value = tuple(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return any(type(value) is type(n) and value == n for n in neutral)
+    return any(
+        isinstance(n, (int, float)) and not isinstance(n, bool) and value == n for n in neutral
+    )
+
+
+def refuse_unimplemented(obj: Any, table: dict[str, tuple], where: str) -> None:
+    bad = [name for name in table if not _is_neutral(getattr(obj, name), table[name])]
+    if bad:
+        names = ", ".join(bad)
+        raise ValidationError(
+            f"{where} {names}: not implemented by grctl",
+            hint="leave them out (or at their no-op defaults); grctl implements temperature, "
+            "top_p, top_k, min_p, min_new_tokens, stop, stop_token_ids, length_penalty, "
+            "beam_width, logits_processors",
+        )
+
+
+def check_body(body: GenerateBody) -> None:
+    """The top-level logprob and output options grctl does not implement: a 400 naming them."""
+    refuse_unimplemented(body, _NEUTRAL_TOP, "")
+    if body.return_logprob and body.logprob_start_len not in (-1, None):
+        # prompt logprobs are not computed; only "from the prompt's end" (nothing) is honest
+        raise ValidationError(
+            f"logprob_start_len {body.logprob_start_len}: prompt logprobs "
+            "(input_token_logprobs) are not computed by grctl",
+            hint="send logprob_start_len -1 (the default); output_token_logprobs are returned",
+        )
+
+
+def sampling_of(body: GenerateBody, sp: SamplingParamsBody) -> SamplingParams:
+    refuse_unimplemented(sp, _NEUTRAL, "sampling_params")
+    if sp.seed is not None and sp.sampling_seed is not None and sp.seed != sp.sampling_seed:
+        raise ValidationError("seed and sampling_seed differ; send one of them")
+    stop = sp.stop if isinstance(sp.stop, list) else [sp.stop] if sp.stop is not None else []
+    return SamplingParams(
+        max_new_tokens=sp.max_new_tokens,
+        n=sp.n,
+        beam_width=sp.beam_width,
+        temperature=sp.temperature,
+        top_p=sp.top_p,
+        top_k=sp.top_k,
+        min_p=sp.min_p,
+        seed=sp.seed if sp.seed is not None else sp.sampling_seed,
+        stop_token_ids=tuple(sp.stop_token_ids or ()),
+        stop=tuple(stop),
+        ignore_eos=sp.ignore_eos,
+        min_new_tokens=sp.min_new_tokens,
+        length_penalty=sp.length_penalty,
+        use_catalog=sp.use_catalog,
+        exclude_item_ids=tuple(sp.exclude_item_ids or ()),
+        logits_processors=parse_logits_processors(body.logits_processors)
+        + parse_logits_processors(sp.logits_processors),
+    )
+
+
+def text_options_of(body: GenerateBody, sp: SamplingParamsBody) -> TextOptions:
+    return TextOptions(
+        skip_special_tokens=sp.skip_special_tokens,
+        spaces_between_special_tokens=sp.spaces_between_special_tokens,
+        no_stop_trim=sp.no_stop_trim,
+        return_text_in_logprobs=body.return_text_in_logprobs,
+    )
