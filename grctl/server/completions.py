@@ -181,7 +181,8 @@ def choices_of(
             ids = beam.output_ids
             matched = ids[-1] if kind == "stop" and ids else None
             shown = ids[:-1] if matched is not None else ids
-            item = result.item_results[rank] if result.item_results else None
+            # item_results name each item once, so a beam may have no row: match by rank
+            item = next((r for r in result.item_results or () if r.rank == rank), None)
             meta = ChoiceMeta(
                 output_ids=list(ids),
                 sequence_score=beam.sequence_score,
