@@ -60,8 +60,8 @@ class EngineConfig:
     )
     kv_memory_fraction: float = knob(
         0.4,
-        "Share of free GPU memory at start for KV when --max-kv-bytes is 0 (a decode step may "
-        "need as much again for its batched context).",
+        "Share of free GPU memory at start for KV when --max-kv-bytes is 0 (the rest holds "
+        "activations, graphs and the allocator's slack).",
         "Scheduling",
         min=0.01,
     )

@@ -1,14 +1,14 @@
 """DecodeBatch: one decode step's attention layout across all running requests, built once a step.
 
-Rows are the beams of every request in order ([rows, H, D] queries). Per layer, attention is a
-fixed number of calls whatever the number of requests:
-- context: the requests' contexts as one batch [R, KV, C_max, D] (a single request's context is
-  used in place; several are padded into one buffer, pads masked by a -inf key bias); each
-  request's beams x GQA groups are its query rows, scattered by one index into [R, KV, Q_max, D];
-- tails: every beam's decoded-token KV, gathered for the step into [layers, 2, rows, KV, T, D]
-  (T = the longest tail), where each layer writes its new k and v for all rows at once;
-then both parts merge by their log-sum-exp. `finish()` writes the tails back to each request's
-BeamKV.
+Rows are the beams of every request in order ([rows, H, D] queries). Per layer, attention has
+two parts, each sized by the work and never padded to the batch's worst request:
+- context: each request's rows against its own context KV, read in place (a shared prefix once
+  for every request of the step that continues it): engine/context_attention.py;
+- tails: the rows whose beams have decoded the same number of tokens form a group, whose tails
+  are one [layers, 2, group rows, KV, step + 1, D] tensor: a single request's own BeamKV, else
+  gathered once a step (a few tokens per beam) and written back by `finish()`; each layer writes
+  the fed token's k and v at `step` and attends over the group's tails at once;
+then both parts merge by their log-sum-exp.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from grctl.engine.context_attention import RaggedContext, Rows, put, row_set, take
 from grctl.engine.kv_cache import BeamKV, ContextKV
 from grctl.model import attention
 
@@ -35,82 +36,88 @@ class DecodeItem:
     step: int
 
 
-class DecodeBatch:
-    def __init__(self, items: list[DecodeItem], cfg: ModelConfig, device: torch.device):
-        self.items = items
-        num_kv, dim = cfg.num_kv_heads, cfg.head_dim
-        groups = cfg.num_attention_heads // num_kv
-        self.num_kv, self.groups, self.head_dim = num_kv, groups, dim
-        beams = [it.beam_kv.num_beams for it in items]
-        steps = [it.step for it in items]
-        self.num_rows = rows = sum(beams)
-        self.q_rows = max(beams) * groups  # query rows per (request, kv head)
-        counts = torch.tensor(beams)
-        item = torch.repeat_interleave(torch.arange(len(items)), counts)  # [rows]
-        local = torch.arange(rows) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
-        # [rows, KV, g] -> position in [R, KV, Q_max]: request, kv head, then beam-major groups
-        index = (item[:, None, None] * num_kv + torch.arange(num_kv)[None, :, None]) * self.q_rows
-        index = index + local[:, None, None] * groups + torch.arange(groups)[None, None, :]
-        self.q_index = index.flatten().to(device)
-        row_steps = torch.repeat_interleave(torch.tensor(steps), counts)
-        width = max(steps) + 1
-        self.valid = (torch.arange(width)[None, :] <= row_steps[:, None]).to(device)
-        self.rows = torch.arange(rows, device=device)
-        self.row_steps = row_steps.to(device)
-        first = items[0].beam_kv.data
-        shape = (first.shape[0], 2, rows, num_kv, width, dim)
-        self.tails = torch.zeros(shape, dtype=first.dtype, device=device)
-        self.bounds = []
-        row = 0
-        for it, n in zip(items, beams, strict=True):
-            if it.step:
-                self.tails[:, :, row : row + n, :, : it.step] = it.beam_kv.data[..., : it.step, :]
-            self.bounds.append((row, row + n))
-            row += n
-        self.key_bias = None
-        if len(items) > 1:
-            lengths = torch.tensor([it.ctx.length for it in items])
-            pads = torch.arange(int(lengths.max()))[None, :] >= lengths[:, None]  # [R, C_max]
-            bias = torch.zeros(pads.shape, dtype=first.dtype).masked_fill(pads, float("-inf"))
-            self.key_bias = bias[:, None, None, :].to(device)
+class TailGroup:
+    """The rows of the requests whose beams feed output token `step` (every tail is step + 1
+    long, this token included)."""
 
-    def _context(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v of every request's context in this layer: [R, KV, C_max, D]."""
+    def __init__(self, items: list[DecodeItem], bounds: list[tuple[int, int]], step: int, device):
+        self.items, self.step = items, step
+        self.rows, self.num_rows = row_set(bounds, device)
+        if len(items) == 1:  # in place: the layers write straight into the request's BeamKV
+            self.data = items[0].beam_kv.data[..., : step + 1, :]
+            return
+        first = items[0].beam_kv.data
+        shape = (first.shape[0], 2, self.num_rows, first.shape[3], step + 1, first.shape[5])
+        self.data = first.new_empty(shape)  # [layers, 2, rows, KV, step + 1, D]
+        row = 0
+        for it in items:
+            n = it.beam_kv.num_beams
+            if step:
+                self.data[:, :, row : row + n, :, :step] = it.beam_kv.data[..., :step, :]
+            row += n
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [rows, KV, g, D], k and v [rows, KV, D] of the whole step -> the group's out
+        [group rows, KV, g, D] and lse [group rows, KV, g], float32."""
+        self.data[layer, 0, :, :, self.step] = take(k, self.rows, 0)
+        self.data[layer, 1, :, :, self.step] = take(v, self.rows, 0)
+        q_group = take(q, self.rows, 0)
+        return attention.tail_attention_with_lse(q_group, self.data[layer, 0], self.data[layer, 1])
+
+    def finish(self) -> None:
         if len(self.items) == 1:
-            ctx = self.items[0].ctx
-            return ctx.k[layer].unsqueeze(0), ctx.v[layer].unsqueeze(0)
-        shape = (len(self.items), self.num_kv, self.key_bias.shape[-1], self.head_dim)
-        out = []
-        for part in ("k", "v"):
-            padded = self.tails.new_zeros(shape)
-            for r, it in enumerate(self.items):
-                src = getattr(it.ctx, part)[layer]
-                padded[r, :, : src.shape[1]] = src
-            out.append(padded)
-        return out[0], out[1]
+            return
+        row = 0
+        for it in self.items:
+            n = it.beam_kv.num_beams
+            it.beam_kv.data[..., : self.step + 1, :] = self.data[:, :, row : row + n]
+            row += n
+
+
+class DecodeBatch:
+    def __init__(
+        self, items: list[DecodeItem], cfg: ModelConfig, device: torch.device, context=RaggedContext
+    ):
+        """`context`: the context attention backend (engine/context_attention.py)."""
+        self.items = items
+        self.num_kv, self.head_dim = cfg.num_kv_heads, cfg.head_dim
+        self.groups = cfg.num_attention_heads // cfg.num_kv_heads
+        bounds, row = [], 0
+        for it in items:
+            bounds.append((row, row + it.beam_kv.num_beams))
+            row += it.beam_kv.num_beams
+        self.num_rows = row
+        self.context = context([it.ctx for it in items], bounds, device)
+        by_step: dict[int, list[int]] = {}
+        for i, it in enumerate(items):
+            by_step.setdefault(it.step, []).append(i)
+        self.tails = [
+            TailGroup([items[i] for i in idx], [bounds[i] for i in idx], step, device)
+            for step, idx in sorted(by_step.items())
+        ]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [rows, H, D], k and v [rows, KV, D] of the fed tokens -> [rows, H * D]."""
-        rows, dim = self.num_rows, self.head_dim
-        self.tails[layer, 0, self.rows, :, self.row_steps] = k
-        self.tails[layer, 1, self.rows, :, self.row_steps] = v
-        shape = (len(self.items), self.num_kv, self.q_rows, dim)
-        q_pad = q.new_zeros(shape).view(-1, dim).index_copy_(0, self.q_index, q.reshape(-1, dim))
-        ctx_k, ctx_v = self._context(layer)
-        o_ctx, lse_ctx = attention.attention_with_lse(
-            q_pad.view(shape), ctx_k, ctx_v, self.key_bias
-        )
-        o_ctx = o_ctx.reshape(-1, dim).index_select(0, self.q_index)
-        lse_ctx = lse_ctx.reshape(-1).index_select(0, self.q_index)
-        q_rows = q.view(rows, self.num_kv, self.groups, dim)
-        o_tail, lse_tail = attention.tail_attention_with_lse(
-            q_rows, self.tails[layer, 0], self.tails[layer, 1], self.valid
-        )
-        out = attention.merge(o_ctx.view_as(o_tail), lse_ctx.view_as(lse_tail), o_tail, lse_tail)
+        rows = self.num_rows
+        q_rows = q.view(rows, self.num_kv, self.groups, self.head_dim)
+        o_ctx, lse_ctx = self.context.run(layer, q_rows.transpose(0, 1).contiguous())
+        o_ctx, lse_ctx = o_ctx.transpose(0, 1), lse_ctx.transpose(0, 1)  # [rows, KV, g, (D)]
+        if len(self.tails) == 1:
+            out = attention.merge(o_ctx, lse_ctx, *self.tails[0].attend(layer, q_rows, k, v))[0]
+        else:
+            out = q.new_empty(q_rows.shape, dtype=torch.float32)
+            for group in self.tails:
+                o_t, lse_t = group.attend(layer, q_rows, k, v)
+                parts = (take(o_ctx, group.rows, 0), take(lse_ctx, group.rows, 0), o_t, lse_t)
+                put(out, group.rows, attention.merge(*parts)[0], 0)
         return out.to(q.dtype).reshape(rows, -1)
 
     def finish(self) -> None:
         """Each request's beams keep their tails, this step's token included."""
-        for it, (start, end) in zip(self.items, self.bounds, strict=True):
-            length = it.step + 1
-            it.beam_kv.data[..., :length, :] = self.tails[:, :, start:end, :, :length]
+        for group in self.tails:
+            group.finish()
+
+
+__all__ = ["DecodeBatch", "DecodeItem", "Rows", "TailGroup"]

@@ -1,7 +1,8 @@
 """KV storage for the GR workload: one shared context per request, a short private tail per beam.
 
 A request's prompt is prefilled once; its KV (`ContextKV`) is read by every beam and never
-written again, so it is also what the prefill cache keeps. Each beam owns only the KV of the
+written again, so it is also what the prefill cache keeps; a context may continue another
+(a shared prefix), read in place. Each beam owns only the KV of the
 tokens it decoded (`BeamKV`), a few steps long; reordering beams gathers that small tail only.
 Also: the KV bytes a request holds and the budget admission holds them to (--max-kv-bytes).
 """
@@ -17,20 +18,41 @@ if TYPE_CHECKING:
     from grctl.engine.config import EngineConfig
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ContextKV:
-    """Per layer k and v of a prompt, each [num_kv_heads, context_len, head_dim], read-only."""
+    """A request's context KV, read-only: per layer k and v of its own tokens, each
+    [num_kv_heads, tokens, head_dim], which follow `prefix`'s tokens (None: these are all of
+    them). A prefix is itself a ContextKV, held by reference and possibly read by other requests'
+    contexts at the same time; decode attention reads every part where it lies and merges the
+    parts by log-sum-exp, so nothing is ever joined or copied (engine/context_attention.py)."""
 
     k: tuple[torch.Tensor, ...]
     v: tuple[torch.Tensor, ...]
+    prefix: ContextKV | None = None
 
     @property
-    def length(self) -> int:
+    def parts(self) -> list[ContextKV]:
+        """The chain, oldest part first (this one last)."""
+        chain = [] if self.prefix is None else self.prefix.parts
+        return [*chain, self]
+
+    @property
+    def own_length(self) -> int:
         return self.k[0].shape[1]
 
     @property
-    def nbytes(self) -> int:
+    def length(self) -> int:
+        """Tokens in the whole context, prefix included (the next token's position)."""
+        return self.own_length + (0 if self.prefix is None else self.prefix.length)
+
+    @property
+    def own_nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole context, prefix included (what a request reads)."""
+        return self.own_nbytes + (0 if self.prefix is None else self.prefix.nbytes)
 
 
 def request_kv_bytes(cfg, itemsize: int, prompt_len: int, num_beams: int, max_new: int) -> int:

@@ -4,7 +4,7 @@ Prefill packs the prompts of a batch into one token stream, so every projection 
 runs once over all of them; attention runs per prompt. Only the last token's logits are needed,
 so the last layer computes k and v for every token but q, attention and the MLP for the last
 token alone. Decode runs one token for every beam of every request in one batch of rows; its
-attention is a fixed number of calls per layer whatever the number of requests (decode_batch.py).
+attention reads each request's own context where it lies (decode_batch.py).
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
-"""Decode attention across requests: equal to plain attention per beam, scores kept in fp32 in
-bf16, and a fixed number of attention calls per step whatever the number of requests."""
+"""Decode attention across requests: equal to plain attention per beam (contexts of any lengths,
+tails of any lengths, contexts continuing a shared prefix), scores kept in fp32 in bf16, and one
+context call per context part plus one tail call per tail length, per layer."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from grctl.engine.config import EngineConfig
@@ -25,23 +27,33 @@ CFG = ModelConfig(
 )
 
 
-def make_items(contexts, beams, steps, dtype, scale=1.0, seed=0):
+def make_items(contexts, beams, steps, dtype, scale=1.0, seed=0, prefix_len=0):
+    """Items of the given context lengths, widths and steps; with prefix_len, every context
+    continues one shared prefix of that many tokens (the lengths are its own tokens)."""
     gen = torch.Generator().manual_seed(seed)
 
     def rand(*shape):
         return (torch.randn(shape, generator=gen) * scale).to(dtype)
 
     L, KV, D = CFG.num_layers, CFG.num_kv_heads, CFG.head_dim
+
+    def part(length, prefix=None):
+        ks = tuple(rand(KV, length, D) for _ in range(L))
+        return ContextKV(ks, tuple(rand(KV, length, D) for _ in range(L)), prefix)
+
+    shared = part(prefix_len) if prefix_len else None
     items = []
     for length, n, step in zip(contexts, beams, steps, strict=True):
-        ctx = ContextKV(
-            tuple(rand(KV, length, D) for _ in range(L)),
-            tuple(rand(KV, length, D) for _ in range(L)),
-        )
         kv = BeamKV(L, n, KV, step + 1, D, dtype, torch.device("cpu"))
         kv.data.copy_(rand(*kv.data.shape))
-        items.append(DecodeItem(ctx, kv, torch.zeros(n, dtype=torch.int64), step))
+        items.append(DecodeItem(part(length, shared), kv, torch.zeros(n, dtype=torch.int64), step))
     return items
+
+
+def context_keys(ctx, layer):
+    """[KV, C, D] k and v of a whole context, its parts joined (the reference only)."""
+    parts = ctx.parts
+    return torch.cat([p.k[layer] for p in parts], 1), torch.cat([p.v[layer] for p in parts], 1)
 
 
 def reference(items, layer, q, k, v):
@@ -52,8 +64,9 @@ def reference(items, layer, q, k, v):
         for b in range(it.beam_kv.num_beams):
             tail_k = torch.cat((it.beam_kv.data[layer, 0, b, :, : it.step], k[row][:, None]), 1)
             tail_v = torch.cat((it.beam_kv.data[layer, 1, b, :, : it.step], v[row][:, None]), 1)
-            keys = torch.cat((it.ctx.k[layer], tail_k), 1).double()  # [KV, C + t, D]
-            vals = torch.cat((it.ctx.v[layer], tail_v), 1).double()
+            ctx_k, ctx_v = context_keys(it.ctx, layer)
+            keys = torch.cat((ctx_k, tail_k), 1).double()  # [KV, C + t, D]
+            vals = torch.cat((ctx_v, tail_v), 1).double()
             qb = q[row].double().view(KV, g, D)
             p = (qb @ keys.transpose(1, 2) * D**-0.5).softmax(-1)
             outs.append((p @ vals).reshape(H * D))
@@ -70,8 +83,10 @@ def step_inputs(rows, dtype, scale=1.0, seed=1):
     return q, k, v
 
 
-def test_batched_decode_attention_equals_per_beam_attention():
-    items = make_items([5, 17, 9, 1], [1, 4, 3, 2], [0, 2, 1, 3], torch.float32)
+@pytest.mark.parametrize("prefix_len", [0, 13])
+def test_batched_decode_attention_equals_per_beam_attention(prefix_len):
+    shapes = ([5, 17, 9, 1], [1, 4, 3, 2], [0, 2, 1, 3])  # context, beams, step
+    items = make_items(*shapes, torch.float32, prefix_len=prefix_len)
     q, k, v = step_inputs(10, torch.float32)
     batch = DecodeBatch(items, CFG, torch.device("cpu"))
     for layer in range(CFG.num_layers):
@@ -101,7 +116,9 @@ def test_bf16_decode_scores_stay_fp32():
     assert err.mean() < 1.5 * rounding.mean() and err.max() < 1.5 * rounding.max()
 
 
-def test_attention_calls_per_step_do_not_grow_with_requests(monkeypatch):
+def test_attention_calls_per_step_follow_the_parts(monkeypatch):
+    """Per layer, one context call per request (each reads its own context where it lies) and one
+    tail call per tail length: requests admitted together decode in lockstep, one tail call."""
     model = hf_and_ours(seed=3)[1]
     calls = []
     for name in ("attention_with_lse", "tail_attention_with_lse"):
@@ -110,7 +127,7 @@ def test_attention_calls_per_step_do_not_grow_with_requests(monkeypatch):
             attention, name, lambda *a, _f=real, _n=name: calls.append(_n) or _f(*a)
         )
 
-    def one_decode_step(num_requests: int) -> int:
+    def one_decode_step(num_requests: int) -> dict:
         eng = Engine(model, EngineConfig())
         for i in range(num_requests):
             ids = tuple(range(3 + 4 * i, 10 + 5 * i))
@@ -118,7 +135,11 @@ def test_attention_calls_per_step_do_not_grow_with_requests(monkeypatch):
         eng.run_step()  # prefill every request; the first decode step runs in the same step
         calls.clear()
         eng.run_step()  # a decode step alone
-        return len(calls)
+        return {name: calls.count(name) for name in set(calls)}
 
     layers = model.config.num_layers
-    assert one_decode_step(1) == one_decode_step(6) == 2 * layers
+    assert one_decode_step(1) == {"attention_with_lse": layers, "tail_attention_with_lse": layers}
+    assert one_decode_step(6) == {
+        "attention_with_lse": 6 * layers,
+        "tail_attention_with_lse": layers,
+    }
