@@ -9,7 +9,7 @@ runs, with the median beside it. Prints one JSON object: per width the latencies
 whether the top sequences agree; then the throughput of concurrent requests of the widest beam.
 
     python bench/bench_generate.py [--preset cpu|gpu] [--repeats 5] [--dtype float32]
-    python bench/bench_generate.py --decode-cost 2048 [--repeats 3]
+    python bench/bench_generate.py --decode-cost 2048 [--repeats 3]   # beside the FLOP floor
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from grctl.engine.config import EngineConfig
+from bench.flops import prefill_flops, request_flops  # noqa: E402
+from grctl.engine.config import EngineConfig  # noqa: E402
 from grctl.engine.engine import Engine  # noqa: E402
 from grctl.engine.request import GenerateRequest, SamplingParams  # noqa: E402
 from grctl.model import dtypes  # noqa: E402
@@ -136,12 +137,16 @@ def request(ids: list[int], width: int) -> GenerateRequest:
     return GenerateRequest(tuple(ids), SamplingParams(max_new_tokens=NEW_TOKENS, n=width))
 
 
-def decode_cost(engine: Engine, vocab: int, prompt_len: int, repeats: int) -> dict:
+def decode_cost(engine: Engine, prompt_len: int, repeats: int) -> dict:
     """What decoding adds to prefill (grctl alone): one beam-256 request against the same prompt
     at beam 1, and 8 concurrent beam-64 requests against their 8 prefills alone (1 new token,
-    which comes from the prefill). Targets on the CPU: at most 1.2x and 1.1x."""
+    which comes from the prefill); each ratio beside its FLOP floor (bench/flops.py), the ratio
+    of the two sides' FLOPs. Target: beam 256 within 1.1x of its floor (issue 21)."""
+    cfg = engine.runner.config
     gen = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, vocab, (prompt_len,), generator=gen).tolist() for _ in range(8)]
+    prompts = [
+        torch.randint(0, cfg.vocab_size, (prompt_len,), generator=gen).tolist() for _ in range(8)
+    ]
 
     def burst(width: int, new_tokens: int) -> None:
         sp = SamplingParams(max_new_tokens=new_tokens, n=width)
@@ -159,12 +164,21 @@ def decode_cost(engine: Engine, vocab: int, prompt_len: int, repeats: int) -> di
     )
     best = {name: min(t["wall"]) for name, t in times.items()}
     cpu = {name: min(t["cpu"]) for name, t in times.items()}
+    wide = best["beam_256"] / best["beam_1"]
+    floor = request_flops(cfg, prompt_len, 256, NEW_TOKENS) / request_flops(
+        cfg, prompt_len, 1, NEW_TOKENS
+    )
+    floor_x8 = request_flops(cfg, prompt_len, 64, NEW_TOKENS) / prefill_flops(cfg, prompt_len)
     return {
         "prompt_tokens": prompt_len,
         "ms": {name: round(s * 1e3, 1) for name, s in best.items()},
         "cpu_ms": {name: round(s * 1e3, 1) for name, s in cpu.items()},
-        "beam_256_over_beam_1": round(best["beam_256"] / best["beam_1"], 3),
+        "beam_256_over_beam_1": round(wide, 3),
+        "beam_256_flop_floor": round(floor, 3),
+        "beam_256_over_floor": round(wide / floor, 3),
+        "beam_256_over_floor_target": 1.1,
         "beam_64_x8_over_prefill_x8": round(best["beam_64_x8"] / best["prefill_x8"], 3),
+        "beam_64_x8_flop_floor": round(floor_x8, 3),
         "cpu_time_ratios": [
             round(cpu["beam_256"] / cpu["beam_1"], 3),
             round(cpu["beam_64_x8"] / cpu["prefill_x8"], 3),
@@ -192,7 +206,7 @@ def main() -> None:
     engine = Engine(ours, EngineConfig(device=device, max_new_tokens=NEW_TOKENS))
     engine.start()
     if args.decode_cost:
-        result = decode_cost(engine, shape["vocab_size"], args.decode_cost, args.repeats)
+        result = decode_cost(engine, args.decode_cost, args.repeats)
         engine.stop()
         print(json.dumps({"preset": args.preset, "dtype": dtype, **result}, indent=2))
         return

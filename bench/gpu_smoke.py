@@ -16,6 +16,8 @@ Sections, each timed, each failure recorded without stopping the others:
   this process applies them through the weight sink; checksums, times against a
   device-to-device copy of the same bytes, memory back to baseline on both sides;
 - disk: the 0.6B checkpoint loaded by /update_weights_from_disk's path from the page cache;
+- decode_mix: issue 21's two mixed decode batches as one step (Qwen3-0.6B shape, bf16, through
+  CUDA graphs) against their requests alone and by groups (bench/bench_decode_mix.py);
 - memory: release/resume_memory_occupation on the 0.6B shape (bench/bench_memory.py): device
   memory before, released and resumed, times against a plain copy of the weights to pinned host
   memory and back, graphs captured again, beam outputs equal after the resume.
@@ -38,6 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.bench_decode_mix import gpu_part as decode_mix_part  # noqa: E402
 from bench.bench_memory import memory_part  # noqa: E402
 from bench.gpu_smoke_parts import (  # noqa: E402
     SHAPES,
@@ -91,6 +94,7 @@ def main() -> int:
     sections = [
         ("tests", lambda: tests_part(args.dry_run, min(150.0, deadline - time.monotonic()))),
         ("graphs", lambda: graphs_part(device)),
+        ("decode_mix", lambda: decode_mix_part(device, args.dry_run)),
         *[
             (f"generate_{s}", lambda s=s: generate_part(device, SHAPES[s], args.dry_run))
             for s in shapes
