@@ -15,11 +15,11 @@ context KV is copied, and a prefix that several requests of the step continue is
 all of their rows. A context's deeper parts merge into the rows by log-sum-exp.
 
 The seam for FlashInfer's shared-prefix (cascade) batch decode is a second class with the same
-two calls: the constructor takes the step's plan (its levels are cascade levels: the shared
-prefixes, then each request's own part) and would run the wrapper's `plan`; `run` would call the
-wrapper's `run(q, kv, return_lse=True)` per layer. Its kernels read KV from pages, so that
-backend needs the parts in a paged pool; it is not built until a lent GPU can measure it against
-the ragged one.
+two calls, set as `ModelRunner.context_attention`: the constructor takes the step's contexts and
+rows (`plan`'s levels are cascade levels: the shared prefixes, then each request's own part) and
+would run the wrapper's `plan`; `run` would call the wrapper's `run(q, kv, return_lse=True)` per
+layer. Its kernels read KV from pages, so that backend needs the parts in a paged pool; it is
+not built until a lent GPU can measure it against the ragged one.
 """
 
 from __future__ import annotations

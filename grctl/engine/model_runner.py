@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from grctl.engine.context_attention import RaggedContext
 from grctl.engine.decode_batch import DecodeBatch, DecodeItem
 from grctl.engine.kv_cache import ContextKV
 from grctl.model.attention import prefill_attention
@@ -26,6 +27,8 @@ class ModelRunner:
         self.config = model.config
         self.dtype = model.embed_tokens.weight.dtype
         self.graphs = None  # a DecodeGraphs when decode runs through CUDA graphs
+        # decode's context attention backend: the seam for FlashInfer's cascade decode
+        self.context_attention = RaggedContext
 
     def capture_graphs(self) -> None:
         """Decode through CUDA graphs from now on, one per batch bucket (CUDA only)."""
@@ -91,7 +94,7 @@ class ModelRunner:
         positions = torch.cat(
             [torch.full((it.beam_kv.num_beams,), it.ctx.length + it.step) for it in items]
         ).to(self.device, non_blocking=True)
-        batch = DecodeBatch(items, self.config, self.device)
+        batch = DecodeBatch(items, self.config, self.device, self.context_attention)
         if self.graphs is not None and self.graphs.fits(ids.shape[0]):
             logits = self.graphs.run(
                 ids, positions, lambda i, q, k, v, out: _into(out, batch.attend(i, q, k, v))

@@ -30,15 +30,17 @@ def prompts(vocab: int, seed: int = 0) -> list[torch.Tensor]:
     return [torch.randint(0, vocab, (n,), generator=gen) for n, _, _ in SHAPES]
 
 
-def beam_kv(cfg, n: int) -> BeamKV:
-    return BeamKV(cfg.num_layers, n, cfg.num_kv_heads, STEPS, cfg.head_dim, torch.float32, "cpu")
+def beam_kv(runner, n: int) -> BeamKV:
+    cfg = runner.config
+    return BeamKV(
+        cfg.num_layers, n, cfg.num_kv_heads, STEPS, cfg.head_dim, runner.dtype, runner.device
+    )
 
 
 def schedule(runner, ctxs, tokens, together: bool):
     """Decode every request from its join step to STEPS, all in one batch per step or each one
     alone -> ({(request, step): logits}, each request's BeamKV)."""
-    cfg = runner.config
-    kvs = [beam_kv(cfg, n) for _, n, _ in SHAPES]
+    kvs = [beam_kv(runner, n) for _, n, _ in SHAPES]
     logits = {}
     for t in range(STEPS):
         live = [r for r, (_, _, join) in enumerate(SHAPES) if join <= t]
@@ -55,19 +57,38 @@ def schedule(runner, ctxs, tokens, together: bool):
     return logits, kvs
 
 
-def test_mixed_batch_equals_each_request_alone(runner):
-    cfg = runner.config
-    ctxs, _ = runner.prefill(prompts(cfg.vocab_size))
+def assert_mixed_equals_alone(runner, atol: float) -> None:
+    cfg, dev = runner.config, runner.device
+    ctxs, _ = runner.prefill([p.to(dev) for p in prompts(cfg.vocab_size)])
     gen = torch.Generator().manual_seed(1)
-    tokens = [torch.randint(0, cfg.vocab_size, (n, STEPS), generator=gen) for _, n, _ in SHAPES]
+    tokens = [
+        torch.randint(0, cfg.vocab_size, (n, STEPS), generator=gen).to(dev) for _, n, _ in SHAPES
+    ]
     together, kv_together = schedule(runner, ctxs, tokens, together=True)
     alone, kv_alone = schedule(runner, ctxs, tokens, together=False)
     assert together.keys() == alone.keys()
     for key in alone:
-        assert (together[key] - alone[key]).abs().max() < 1e-5, key
+        assert (together[key] - alone[key]).abs().max() < atol, key
     for a, b, (_, _, join) in zip(kv_together, kv_alone, SHAPES, strict=True):
         written = STEPS - join  # the slots of the tokens it fed
-        assert (a.data[..., :written, :] - b.data[..., :written, :]).abs().max() < 1e-5
+        diff = a.data[..., :written, :].float() - b.data[..., :written, :].float()
+        assert diff.abs().max() < atol
+
+
+def test_mixed_batch_equals_each_request_alone(runner):
+    assert_mixed_equals_alone(runner, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_mixed_batch_through_graphs_equals_each_request_alone(dtype):
+    """On CUDA the same layout runs between graph replays, and the fused kernel takes every
+    request's strided query view (it never fell back to the math path)."""
+    runner = ModelRunner(hf_and_ours(seed=7, dtype=dtype, device="cuda")[1], torch.device("cuda"))
+    runner.capture_graphs()
+    assert_mixed_equals_alone(runner, atol=1e-4 if dtype == torch.float32 else 0.25)
+    assert runner.graphs.num_replays > 0
+    assert attention._cuda_fused[0]
 
 
 def split(ctx: ContextKV, at: int, prefix: ContextKV | None = None) -> ContextKV:
@@ -97,7 +118,7 @@ def test_contexts_continuing_a_shared_prefix(runner):
         return real(q, k, v)
 
     def step(ctxs):
-        items = [DecodeItem(c, beam_kv(cfg, 4), ids[i], 0) for i, c in enumerate(ctxs)]
+        items = [DecodeItem(c, beam_kv(runner, 4), ids[i], 0) for i, c in enumerate(ctxs)]
         return runner.decode(items)
 
     expected = step(whole)
@@ -117,7 +138,7 @@ def test_no_context_is_copied_or_padded(runner, monkeypatch):
     gen = torch.Generator().manual_seed(4)
     ctxs, _ = runner.prefill([torch.randint(0, cfg.vocab_size, (n,), generator=gen)
                               for n in (500, 1, 2, 1, 3, 1, 2, 1)])  # fmt: skip
-    items = [DecodeItem(c, beam_kv(cfg, 1), torch.zeros(1, dtype=torch.int64), 0) for c in ctxs]
+    items = [DecodeItem(c, beam_kv(runner, 1), torch.zeros(1, dtype=torch.int64), 0) for c in ctxs]
     owned = {t.data_ptr() for c in ctxs for t in (*c.k, *c.v)}
     reads = []
     real = attention.attention_with_lse
