@@ -1,6 +1,7 @@
 """Mixed decode batches against their requests run alone: one decode step, and whole requests.
 
     python bench/bench_decode_mix.py [--part step|http|all] [--repeats 3] [--threads N]
+        [--mixes mix_1 mix_2]
 
 The 29M Qwen3 of bench_generate.py's cpu preset (hidden 512, 8 layers, 8 heads, 4 KV heads,
 head_dim 64, vocab 8192), fp32, random weights. The two mixes of issue 21:
@@ -13,7 +14,8 @@ the issue's table quotes). `http`: a real `grctl serve` of the same model (writt
 temporary checkpoint), 4 new tokens; the mix's requests sent at once (one client thread each)
 against each request alone one after another, summed, and each group sent at once, summed.
 Figures are the best of --repeats (the ways interleaved in each repeat, so load from elsewhere
-hits them alike). Prints one JSON object; the target of every ratio is at most 1.2.
+hits them alike). Prints one JSON object (and each mix's figures to stderr as they come); the
+target of every ratio is at most 1.2.
 """
 
 from __future__ import annotations
@@ -95,14 +97,14 @@ def step_items(runner: ModelRunner, mix: list, step: int = 1) -> list[list[Decod
     return groups
 
 
-def step_part(runner: ModelRunner, repeats: int) -> dict:
+def step_part(runner: ModelRunner, repeats: int, mixes: tuple[str, ...] = tuple(MIXES)) -> dict:
     """Each mix as one step, alone and by groups; and the largest difference of the mix's logits
     from each request's own step (fp32: rounding only)."""
     dev = runner.device
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     out = {}
-    for name, mix in MIXES.items():
-        groups = step_items(runner, mix)
+    for name in mixes:
+        groups = step_items(runner, MIXES[name])
         every = [it for g in groups for it in g]
 
         def alone(every=every):
@@ -116,6 +118,7 @@ def step_part(runner: ModelRunner, repeats: int) -> dict:
         fns = {"together": lambda e=every: runner.decode(e), "alone": alone, "groups": by_group}
         out[name] = {"rows": sum(it.beam_kv.num_beams for it in every)}
         out[name].update(ratios(best_of(fns, repeats, sync)), max_abs_diff_vs_alone=diff)
+        print(json.dumps({name: out[name]}), file=sys.stderr)
         del groups, every
     return out
 
@@ -145,7 +148,9 @@ def gpu_part(device: torch.device, dry_run: bool) -> dict:
 # ---- whole requests over HTTP ---------------------------------------------------------------
 
 
-def http_part(model, repeats: int, threads: int | None) -> dict:
+def http_part(
+    model, repeats: int, threads: int | None, mixes: tuple[str, ...] = tuple(MIXES)
+) -> dict:
     from grctl.weights.loader import export_hf
     from tests.support.serverproc import running_server
 
@@ -166,9 +171,9 @@ def http_part(model, repeats: int, threads: int | None) -> dict:
                 list(pool.map(one, bodies))
 
             out = {}
-            for name, mix in MIXES.items():
+            for name in mixes:
                 groups = []
-                for num, context, beams in mix:
+                for num, context, beams in MIXES[name]:
                     sp = {"max_new_tokens": NEW_TOKENS, "n": beams}
                     groups.append([
                         {"input_ids": torch.randint(0, SHAPE["vocab_size"], (context,),
@@ -182,6 +187,7 @@ def http_part(model, repeats: int, threads: int | None) -> dict:
                     "groups": lambda g=groups: [at_once(x) for x in g],
                 }
                 out[name] = ratios(best_of(fns, repeats))
+                print(json.dumps({name: out[name]}), file=sys.stderr)
             pool.shutdown()
     return out
 
@@ -191,6 +197,7 @@ def main() -> None:
     ap.add_argument("--part", choices=["step", "http", "all"], default="all")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, help="torch threads here and in the server")
+    ap.add_argument("--mixes", nargs="+", choices=sorted(MIXES), default=list(MIXES))
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -202,9 +209,10 @@ def main() -> None:
     }
     if args.part in ("step", "all"):
         with torch.inference_mode():
-            report["step"] = step_part(ModelRunner(model, torch.device("cpu")), args.repeats)
+            runner = ModelRunner(model, torch.device("cpu"))
+            report["step"] = step_part(runner, args.repeats, args.mixes)
     if args.part in ("http", "all"):
-        report["http"] = http_part(model, args.repeats, args.threads)
+        report["http"] = http_part(model, args.repeats, args.threads, args.mixes)
         report["http"]["new_tokens"] = NEW_TOKENS
     print(json.dumps(report, indent=2))
 
