@@ -88,9 +88,16 @@ class Paused(GrctlError):
 
 
 class WeightsInconsistent(GrctlError):
-    """A weight copy failed after it began: generation is refused until an update succeeds."""
+    """A weight copy failed after it began: the tensors it may have touched are torn, and
+    nothing is served until each of them is written again."""
 
     code, status, retryable = "weights_inconsistent", 503, True
+
+
+class WeightsInconsistentConflict(WeightsInconsistent):
+    """/continue_generation or /end_weight_update while tensors are torn: 409."""
+
+    status, retryable = 409, False
 
 
 class MemoryReleased(GrctlError):

@@ -169,8 +169,9 @@ def status_view(url: str, status: ServerStatus) -> Table:
     w = status.weights
     paused = sched.get("paused")
     state = f"[yellow]paused ({sched.get('pause_mode')})[/yellow]" if paused else "serving"
-    if not eng.get("weights_consistent", True):
-        state = "[red]weights inconsistent (push a complete update)[/red]"
+    if w.weights_torn or not eng.get("weights_consistent", True):
+        torn = f"{len(w.torn_tensors)} tensors " if w.torn_tensors else ""
+        state = f"[red]weights inconsistent: {torn}torn by a failed copy (write them again)[/red]"
     elif w.weights_mixed:
         state = "[red]weights mixed (finish the sync or relabel)[/red]"
     last_ms = w.last_weight_update_ms

@@ -34,6 +34,7 @@ from grctl.errors import (
     NotFound,
     Overloaded,
     ValidationError,
+    WeightsInconsistent,
     WeightsMixed,
 )
 from grctl.model.device import resolve_device
@@ -258,11 +259,16 @@ class Engine:
             return 0
 
     def resume(self) -> None:
-        """Leave the pause; refused (409, still paused) while the weights are mixed."""
+        """Leave the pause; refused (409, still paused) while the weights are mixed or torn."""
         self.gate.resume()
 
     def mixed_error(self, cls: type[WeightsMixed] = WeightsMixed) -> WeightsMixed:
         return self.gate.mixed_error(cls)
+
+    def torn_error(
+        self, cls: type[WeightsInconsistent] = WeightsInconsistent
+    ) -> WeightsInconsistent:
+        return self.gate.torn_error(cls)
 
     def require_weights(self, what: str) -> None:
         """MemoryReleased (503) while /release_memory_occupation holds the weights on the host."""
@@ -288,18 +294,19 @@ class Engine:
         finally:
             self.gate.leave_exclusive()
 
-    def weights_written(self, label: str | None, mix: str | None, consistent: bool = True) -> None:
+    def weights_written(self, label: str | None, mix: str | None, torn: str | None = None) -> None:
         """The weights side wrote the weights, inside `exclusive()`. From now on steps record
         `label` (None: keep the current one); `mix` describes the weights' labels while they
-        differ (None: one label); `consistent` is false after a copy that failed part-way. The
+        differ (None: one label); `torn` the tensors a failed copy left torn (None: none). The
         prefill cache's entries go at once: none of them was computed with these weights."""
         with self.gate:
-            self.gate.weights_written(label, mix, consistent)
+            self.gate.weights_written(label, mix, torn)
             self.cache.drop_entries()
 
     def relabel(self, label: str, mix: str | None, abort_all_requests: bool = False) -> int:
-        """The weights side relabelled the weights (no write). Running requests go on and report
-        both labels, unless `abort_all_requests`. Returns the number aborted."""
+        """The weights side relabelled the weights (no write; torn tensors stay torn). Running
+        requests go on and report both labels, unless `abort_all_requests`. Returns the number
+        aborted."""
         with self.gate:
             num_aborted = self.worker.abort_all() if abort_all_requests else 0
             self.gate.relabel(label, mix)

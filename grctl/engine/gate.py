@@ -3,10 +3,11 @@
 Flags: the pause mode, the open exclusive sections, whether the worker computes a step (it
 does so without the lock) or is stopping, whether it was started and still runs, the memory
 tags released, and what the weights side last said of the weights: the label each step
-records, a description of their mix of labels, whether a failed copy left them torn, and a
-generation that every write moves. The rest of the engine's shared state (queues, results) is
-read and written holding the gate (`with gate:`), so every check and the act it allows are one
-step under one lock.
+records, a description of their mix of labels, one of the tensors a failed copy left torn, and
+a generation that every write moves. A mix and torn tensors refuse alike: generation 503,
+/continue_generation 409 (the server stays paused), /ready 503. The rest of the engine's shared
+state (queues, results) is read and written holding the gate (`with gate:`), so every check and
+the act it allows are one step under one lock.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from grctl.errors import (
     Paused,
     PauseTimeout,
     WeightsInconsistent,
+    WeightsInconsistentConflict,
     WeightsMixed,
     WeightsMixedConflict,
 )
@@ -29,8 +31,9 @@ _RETRY_ELSEWHERE = "retry on another server"
 _WORKER_DEAD = "the engine's worker thread has stopped; no request would run"
 _RESTART = "restart the server (its log says why the worker ended)"
 _RETRY_RESUMED = "retry after /continue_generation"
-_INCONSISTENT = "a weight update failed part-way; generation is refused"
-_PUSH_ALL = "push a complete weight update"
+_REWRITE_TORN = (
+    "write those tensors again (push them, or the whole checkpoint); a relabel does not clear this"
+)
 
 Refusal = tuple[str, Callable[[], GrctlError]]  # (the /ready reason, a maker of the error)
 
@@ -53,7 +56,7 @@ class Gate:
         self.released: frozenset[str] = frozenset()  # memory tags (memory.py)
         self.label = str(label)
         self.mix: str | None = None  # the weights side's description of a mix; None: one label
-        self.is_consistent = True
+        self.torn: str | None = None  # its description of the torn tensors; None: none is
         self.generation = 0  # moves with every weight write: cached KV of older ones is stale
         self.allow_mixed = allow_mixed  # --allow-partial-updates: a mix is served
 
@@ -82,6 +85,11 @@ class Gate:
         """Mixed labels refuse service, unless partial weight updates are allowed."""
         return self.mix is not None and not self.allow_mixed
 
+    @property
+    def is_consistent(self) -> bool:
+        """No tensor is torn (torn ones refuse service whatever --allow-partial-updates says)."""
+        return self.torn is None
+
     def can_progress(self) -> bool:
         return not self.is_paused and self.is_consistent and not self.released and not self.is_mixed
 
@@ -102,14 +110,12 @@ class Gate:
             out.append(("worker_not_running", lambda: NotReady(_WORKER_DEAD, hint=_RESTART)))
         if self.is_mixed:  # before paused: resuming will not help until it clears
             out.append(("weights_mixed", self.mixed_error))
+        if not self.is_consistent:  # the same
+            out.append(("weights_inconsistent", self.torn_error))
         if self.is_paused:
             out.append(("paused", lambda: Paused("generation is paused", hint=_RETRY_RESUMED)))
         if self.released:
             out.append(("memory_released", lambda: self.memory_error("generation is refused")))
-        if not self.is_consistent:
-            out.append(
-                ("weights_inconsistent", lambda: WeightsInconsistent(_INCONSISTENT, hint=_PUSH_ALL))
-            )
         return out
 
     def mixed_error(self, cls: type[WeightsMixed] = WeightsMixed) -> WeightsMixed:
@@ -118,6 +124,11 @@ class Gate:
             hint="send the rest of the update (or push the whole checkpoint again), or relabel "
             "with /update_weight_version if the mix is intended",
         )
+
+    def torn_error(
+        self, cls: type[WeightsInconsistent] = WeightsInconsistent
+    ) -> WeightsInconsistent:
+        return cls(f"a weight copy failed part-way: {self.torn}", hint=_REWRITE_TORN)
 
     def memory_error(self, what: str) -> MemoryReleased:
         return MemoryReleased(
@@ -139,10 +150,12 @@ class Gate:
                 )
 
     def resume(self) -> None:
-        """Leave the pause; refused (409, still paused) while the weights are mixed."""
+        """Leave the pause; refused (409, still paused) while the weights are mixed or torn."""
         with self._cond:
             if self.is_mixed:
                 raise self.mixed_error(WeightsMixedConflict)
+            if not self.is_consistent:
+                raise self.torn_error(WeightsInconsistentConflict)
             self.pause_mode = None
             self._cond.notify_all()
 
@@ -180,14 +193,15 @@ class Gate:
             self.is_computing = False
             self._cond.notify_all()
 
-    def weights_written(self, label: str | None, mix: str | None, consistent: bool) -> None:
+    def weights_written(self, label: str | None, mix: str | None, torn: str | None) -> None:
         """The weights were written: a new generation; `label` None keeps the label."""
         with self._cond:
             self.generation += 1
+            self.torn = torn
             self.relabel(self.label if label is None else label, mix)
-            self.is_consistent = consistent
 
     def relabel(self, label: str, mix: str | None) -> None:
+        """A new label (and mix); torn tensors stay torn."""
         with self._cond:
             self.label, self.mix = str(label), mix
             self._cond.notify_all()

@@ -44,6 +44,8 @@ class WeightVersionResponse(Struct, kw_only=True):
     weight_update_count: int = 0
     weights_mixed: bool = False  # the tensors carry more than one label
     label_counts: dict[str, int] = msgspec.field(default_factory=dict)  # label -> HF tensors
+    weights_torn: bool = False  # a failed copy left tensors that no later write repaired
+    torn_tensors: list[str] = msgspec.field(default_factory=list)  # those HF tensors
 
 
 class StatusWeights(WeightVersionResponse, kw_only=True):

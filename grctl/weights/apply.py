@@ -25,9 +25,14 @@ from grctl.weights.mapping import resolve
 
 
 class WeightCopyError(GrctlError):
-    """A copy failed after it began: the live weights are now partly updated."""
+    """A copy failed after it began: the live weights are now partly updated. `touched` names
+    every write that had begun (done or not): the tensors that may hold new bytes."""
 
     code, status = "internal_error", 500
+
+    def __init__(self, message: str, *, hint: str | None = None, touched: tuple[str, ...] = ()):
+        super().__init__(message, hint=hint)
+        self.touched = touched
 
 
 @dataclass(frozen=True)
@@ -174,10 +179,12 @@ def copy(
     pinned host buffers, the next read overlapping the last copy (pinned.py).
 
     A failure once a write has begun (a short read, a file changed since validation, a fetched
-    tensor of another shape) raises WeightCopyError: some parameters may already hold new
-    values, and the caller must treat the model as inconsistent until a later update succeeds.
+    tensor of another shape) raises WeightCopyError naming the writes begun so far: those
+    parameters may hold new values, and the caller must treat them as torn until each is
+    written again.
     """
     done, started = 0, False
+    touched: list[str] = []  # writes begun, in any thread (list.append is atomic)
     current = writes[0].name if writes else ""
     try:
         pending = writes
@@ -189,6 +196,7 @@ def copy(
             def read(w: Write) -> bool:
                 if failed.is_set():  # another read failed: the copy is lost, stop early
                     return False
+                touched.append(w.name)
                 try:
                     ok = read_into(w.name, w.dst)
                 except BaseException:
@@ -212,6 +220,7 @@ def copy(
             current = w.name
             if stager is not None and w.dst.is_cuda:  # a file read into pinned memory, then DMA
                 started = True
+                touched.append(w.name)
                 stager.copy(w.name, w.dst, read_into, fetch)
                 done += 1
                 continue
@@ -221,6 +230,7 @@ def copy(
                     f"tensor {w.name!r} changed shape since validation: {list(src.shape)}"
                 )
             started = True
+            touched.append(w.name)
             w.dst.copy_(src)
             done += 1
             del src
@@ -232,7 +242,9 @@ def copy(
         raise WeightCopyError(
             f"weight copy failed after {done} of {len(writes)} tensors (at or near "
             f"{current!r}): {exc}",
-            hint="the server refuses to generate until a later update succeeds",
+            hint="the tensors it began writing are torn: the server refuses to generate until "
+            "each of them is written again",
+            touched=tuple(touched),
         ) from exc
     # The copies ran on each parameter's device; the reply may let the client reuse its buffer.
     synchronize(w.dst.device for w in writes)

@@ -4,14 +4,16 @@ Every transport (disk, pushed tensors, a distributed broadcast) runs through `We
  1. one update at a time (a lock, held for the whole update);
  2. the source is validated whole before the engine is touched (headers, names, shapes, dtypes);
  3. inside `engine.exclusive()` (no model step runs; the in-flight guard decides under the
-    engine's own lock) the copies run in place; a failure after the first copy marks the
-    weights inconsistent, and the engine refuses to generate until a later update succeeds;
- 4. on success the written tensors take the update's label (`versions`, WeightVersions: the
-    one owner of labels, step and counters; the updater creates it), the engine is told the
-    new label and mix (Engine.weights_written), and the prefill cache is flushed if asked.
+    engine's own lock) the copies run in place; a failure after the first copy marks every
+    tensor it had begun writing torn, and the engine refuses to generate until each of them
+    is written again;
+ 4. on success the written tensors take the update's label and lose any torn mark
+    (`versions`, WeightVersions: the one owner of labels, marks, step and counters; the
+    updater creates it), the engine is told the new label, mix and torn tensors
+    (Engine.weights_written), and the prefill cache is flushed if asked.
 
 It also holds SGLang's weight-update session (/begin_weight_update, /end_weight_update): updates
-work with or without one; ending one reports the labels and fails while they are mixed.
+work with or without one; ending one reports the labels and fails while they are mixed or torn.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from grctl.errors import Conflict, WeightsMixedConflict
+from grctl.errors import Conflict, WeightsInconsistentConflict, WeightsMixedConflict
 from grctl.model.device import bind_thread
 from grctl.weights import apply
 from grctl.weights.apply import WeightCopyError, Write
@@ -80,8 +82,9 @@ class WeightUpdater:
                     loaded = (
                         apply.copy(writes, fetch, read_into, apply.read_workers()) if writes else 0
                     )
-                except WeightCopyError:
-                    self.engine.weights_written(None, self.versions.mix(), consistent=False)
+                except WeightCopyError as exc:
+                    self.versions.tear(exc.touched)
+                    self._tell_engine(None)
                     raise
                 flushed = False
                 if flush_cache:
@@ -96,9 +99,13 @@ class WeightUpdater:
                     elapsed_ms=elapsed_ms,
                     is_full=is_full,
                 )
-                self.engine.weights_written(self.versions.current, self.versions.mix())
+                self._tell_engine(self.versions.current)
         num_bytes = sum(w.dst.numel() * w.dst.element_size() for w in writes)
         return UpdateOutcome(loaded, num_aborted, flushed, round(elapsed_ms, 3), num_bytes)
+
+    def _tell_engine(self, label: str | None) -> None:
+        """What the engine must know of the weights after a write: label, mix, torn tensors."""
+        self.engine.weights_written(label, self.versions.mix(), self.versions.describe_torn())
 
     def read(self, fn: Callable[..., T], *args) -> T:
         """Run a read of the live weights (get_weights_by_name, weights_checker) between two
@@ -136,6 +143,8 @@ class WeightUpdater:
             self._session_open = False
             if self.engine.is_weights_mixed:
                 raise self.engine.mixed_error(WeightsMixedConflict)
+            if not self.engine.is_weights_consistent:
+                raise self.engine.torn_error(WeightsInconsistentConflict)
             return f"weight update session ended; {self.versions.describe_mix()}"
 
     def reset_tensors(self, skip: list[str] | None = None) -> int:
@@ -145,6 +154,5 @@ class WeightUpdater:
 
         with self._lock, self.engine.exclusive(False):
             n = WeightsChecker.reset_tensors(self.model, skip)
-            consistent = self.engine.is_weights_consistent
-            self.engine.weights_written(None, self.versions.mix(), consistent=consistent)
+            self._tell_engine(None)  # noise is no copy: torn marks stay as they are
             return n

@@ -10,10 +10,19 @@ then the engine refuses to serve them (unless partial updates are allowed).
     versions.record(["model.norm.weight"], "step-7")   # mixed: 1 tensor 'step-7', N-1 'step-6'
     versions.relabel("step-7")                          # every tensor 'step-7' again
 
+A copy that fails part-way leaves the tensors it may have touched *torn*: their bytes are
+neither their label's nor the failed update's. The mark is part of each tensor's entry; only a
+later successful write of that tensor removes it (a relabel never does), and while any tensor
+is torn the engine refuses to serve, as it does for a mix.
+
+    versions.tear(["model.norm.weight"])               # a copy failed while writing it
+    versions.record([], "v2")                          # an empty chunk: still torn
+    versions.record(["model.norm.weight"], None)       # written again: whole
+
 `current` is the label a reply reports (/get_weight_version, meta_info.weight_version): the last
 one an update or a relabel set. One lock guards the table. The WeightUpdater owns it and tells
-the engine the label and the mix after each change, inside the update's exclusive section, so no
-step runs between an update and its labels.
+the engine the label, the mix and the torn tensors after each change, inside the update's
+exclusive section, so no step runs between an update and its labels.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ class WeightVersions:
             rows = (target.row_start, target.row_end)
             self._units.setdefault(target.param_name, []).append((name, rows))
         self._labels = dict.fromkeys(hf_names(cfg), str(label))
+        self._torn: set[str] = set()  # HF tensors a failed copy may have touched
         self.current = str(label)
         self.token_step: int | str | None = None
         self.update_count = 0
@@ -70,14 +80,15 @@ class WeightVersions:
         """A successful update wrote `source_names`. With a label, those tensors take it; without
         one they keep theirs (an unlabelled single-tensor update stays unmixed, as in SGLang).
         `is_full`: the update wrote the whole model from one checkpoint, so every tensor takes
-        the update's label (or, without one, the current label)."""
+        the update's label (or, without one, the current label). Either way the tensors it
+        wrote are whole again: their torn marks go."""
+        written = set(self._labels) if is_full else self.written_tensors(source_names)
         with self._lock:
             new = self.current if label is None else str(label)
-            if is_full:
-                self._labels = dict.fromkeys(self._labels, new)
-            elif label is not None:
-                for name in self.written_tensors(source_names):
+            if label is not None or is_full:
+                for name in written:
                     self._labels[name] = new
+            self._torn -= written
             self.current = new
             if token_step is not None:
                 self.token_step = token_step
@@ -87,8 +98,30 @@ class WeightVersions:
                 self.last_update_ms = round(elapsed_ms, 3)
             self._refresh()
 
+    def tear(self, source_names: Iterable[str]) -> None:
+        """A copy failed after it began: every tensor of `source_names` (the writes it had
+        started) is torn until a later successful write of that tensor."""
+        touched = self.written_tensors(source_names)
+        with self._lock:
+            self._torn |= touched
+
+    def torn(self) -> list[str]:
+        """The torn HF tensors, sorted."""
+        with self._lock:
+            return sorted(self._torn)
+
+    def describe_torn(self) -> str | None:
+        """'2 tensors hold bytes of a failed copy: a, b' while any is torn, else None: what the
+        engine is told, and what its refusals say."""
+        torn = self.torn()
+        if not torn:
+            return None
+        shown = ", ".join(torn[:8]) + (f" and {len(torn) - 8} more" if len(torn) > 8 else "")
+        return f"{len(torn)} tensors hold bytes of a failed copy: {shown}"
+
     def relabel(self, label: str) -> None:
-        """/update_weight_version: every tensor takes `label` (an operator's word for the mix)."""
+        """/update_weight_version: every tensor takes `label` (an operator's word for the mix).
+        Torn tensors stay torn: a label says nothing of their bytes."""
         with self._lock:
             self._labels = dict.fromkeys(self._labels, str(label))
             self.current = str(label)
@@ -119,6 +152,7 @@ class WeightVersions:
 
     def as_dict(self) -> dict:
         """What /status reports under "weights"."""
+        torn = self.torn()
         return {
             "weight_version": self.current,
             "token_step": self.token_step,
@@ -126,4 +160,6 @@ class WeightVersions:
             "last_weight_update_ms": self.last_update_ms,
             "weights_mixed": self.is_mixed,
             "label_counts": self.label_counts(),
+            "weights_torn": bool(torn),
+            "torn_tensors": torn,
         }

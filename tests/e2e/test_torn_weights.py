@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from safetensors.torch import load_file, save_file
 from tests.support.checkpoints import load_hf, write_checkpoint
 from tests.support.reference import hf_generate
 from tests.support.serverproc import REPO_ROOT, assert_error, running_server
+from tests.support.weight_helpers import checkpoint_sha256, served_sha256
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -349,3 +351,61 @@ def test_partial_checkpoint_is_refused_before_any_pause(srv, http, ckpts, tmp_pa
     assert versions(http) == before
     assert http.get("/ready").status_code == 200
     assert check_answers(http, ckpts) == [200] * len(PROMPTS)
+
+
+# ---- a failed copy: torn tensors -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def faulty(start_server, ckpts, tmp_path_factory):
+    """A server whose checkpoint reads fail after 5 tensors under faulty/ (the test hook of
+    grctl/testing/faults.py), and that directory."""
+    root = tmp_path_factory.mktemp("faulty")
+    env = {"GRCTL_FAULT_READ_ERROR_AFTER": "5", "GRCTL_FAULT_READ_ERROR_PATH": str(root)}
+    args = ("--allow-weight-update", "--model-path", str(ckpts["A"]["path"]))
+    return start_server(*args, "--weight-version", "A", env=env), root
+
+
+def assert_torn(http: httpx.Client) -> list[str]:
+    """Torn tensors: refused exactly as a mix is, and named. Returns their names."""
+    v = versions(http)
+    torn = v["torn_tensors"]
+    assert v["weights_torn"] and torn, v
+    assert http.get("/status").json()["weights"]["torn_tensors"] == torn
+    err = assert_error(http.post("/continue_generation"), 409, "weights_inconsistent")
+    assert torn[0] in err["message"], err
+    ready = http.get("/ready")
+    assert ready.status_code == 503 and "weights_inconsistent" in ready.json()["reasons"]
+    assert_error(http.post("/generate", json={"input_ids": [1, 2]}), 503, "weights_inconsistent")
+    assert_error(http.post("/submit", json={"input_ids": [1, 2]}), 503, "weights_inconsistent")
+    return torn
+
+
+def test_a_failed_copy_is_refused_until_each_torn_tensor_is_written_again(faulty, ckpts):
+    srv, root = faulty
+    bad = root / "B"
+    shutil.copytree(ckpts["B"]["path"], bad)
+    a = ckpts["A"]["path"]
+    with srv.client(timeout=120) as http:
+        assert http.post("/pause_generation", json={"mode": "abort"}).status_code == 200
+        body = {"model_path": str(bad), "weight_version": "B"}
+        assert_error(http.post("/update_weights_from_disk", json=body), 500, "internal_error")
+        torn = assert_torn(http)
+        assert versions(http)["label_counts"] == {"A": 47}  # labels unchanged: no mix to see
+        # slime's empty alignment bucket, labelled: a success that wrote nothing
+        post_chunks(srv.url, a, "v2", [[]])
+        assert versions(http)["weight_version"] == "v2" and assert_torn(http) == torn
+        # an operator's relabel names a mix; it repairs nothing
+        assert http.post("/update_weight_version", json={"new_version": "A"}).status_code == 200
+        assert assert_torn(http) == torn
+        # a tensor the failed copy never touched, written again: the torn ones stay torn
+        untouched = next(n for n in sorted(load_file(a / "model.safetensors")) if n not in torn)
+        post_chunks(srv.url, a, "A", [[untouched]])
+        assert assert_torn(http) == torn
+        # exactly the torn tensors, written again with A's values by a trainer of its own
+        post_chunks(srv.url, a, "A", [torn])
+        v = versions(http)
+        assert not v["weights_torn"] and v["torn_tensors"] == [] and v["label_counts"] == {"A": 47}
+        assert http.post("/continue_generation").status_code == 200
+        assert check_answers(http, ckpts) == [200] * len(PROMPTS)
+        assert served_sha256(http) == checkpoint_sha256(a)

@@ -140,7 +140,7 @@ def test_inconsistent_weights_refuse_generation(model):
     eng = make(model)
     queued = eng.submit(req())
     with eng.exclusive(abort_all_requests=True):
-        eng.weights_written(None, mix=None, consistent=False)
+        eng.weights_written(None, mix=None, torn="1 tensors hold bytes of a failed copy: x")
     assert not eng.is_weights_consistent and eng.weight_version == "default"
     assert "weights_inconsistent" in eng.ready_reasons()
     assert eng.status()["engine"]["weights_consistent"] is False

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from grctl.engine.config import EngineConfig
 from grctl.engine.engine import Engine
 from grctl.engine.request import GenerateRequest, SamplingParams
-from grctl.errors import WeightsMixed, WeightsMixedConflict
+from grctl.errors import (
+    WeightsInconsistent,
+    WeightsInconsistentConflict,
+    WeightsMixed,
+    WeightsMixedConflict,
+)
 from grctl.model.builtin import DEFAULT_CONFIG
 from grctl.weights import apply
+from grctl.weights.apply import WeightCopyError
 from grctl.weights.loader import load_model
 from grctl.weights.mapping import hf_names
 from grctl.weights.updater import WeightUpdater
@@ -128,3 +136,109 @@ def test_relabel_while_a_request_runs_is_allowed_and_reported(model):
     result = engine.result(rid)
     assert result.finish_reason == "length" and result.weight_versions == ["A", "B"]
     assert updater.versions.label_counts() == {"B": NUM_TENSORS}
+
+
+# ---- a failed copy: torn marks -------------------------------------------------------------
+
+
+def failing_fetch(named: list[tuple[str, torch.Tensor]], fail_at: str):
+    """A fetch that raises (an I/O error mid-chunk) when it reaches `fail_at`."""
+    by_name = dict(named)
+
+    def fetch(name: str) -> torch.Tensor:
+        if name == fail_at:
+            raise OSError("injected failure mid-copy")
+        return by_name[name]
+
+    return fetch
+
+
+def test_a_torn_mark_stays_until_that_tensor_is_written_again(model):
+    """What a failed copy touched is torn; an empty chunk, an unrelated chunk and a relabel
+    leave it torn (the refusals stay exactly those of a mix); writing it again clears it."""
+    engine, updater = serve(model, weight_version="A")
+    names = [
+        "model.layers.0.mlp.up_proj.weight",
+        "model.norm.weight",
+        "model.layers.1.mlp.up_proj.weight",
+    ]
+    named = [(n, hf_tensor(engine, n) + 1) for n in names]
+    plan = lambda: apply.plan(model, apply.specs_of(named), require_full=False)  # noqa: E731
+    with pytest.raises(WeightCopyError):
+        updater.run(plan, failing_fetch(named, names[1]), weight_version="B")
+    assert updater.versions.torn() == [names[0]]  # written before the failure; the rest untouched
+    info = updater.versions.as_dict()
+    assert info["weights_torn"] is True and info["torn_tensors"] == [names[0]]
+    assert info["weights_mixed"] is False and info["label_counts"] == {"A": NUM_TENSORS}
+
+    def refused() -> None:
+        assert not engine.is_weights_consistent and "weights_inconsistent" in engine.ready_reasons()
+        with pytest.raises(WeightsInconsistent) as err:
+            engine.submit(req())
+        assert err.value.status == 503 and names[0] in str(err.value)
+        engine.pause("abort")
+        with pytest.raises(WeightsInconsistentConflict) as err:
+            engine.resume()
+        assert err.value.status == 409 and engine.is_paused  # still paused
+
+    refused()
+    push(updater, [], "v2")  # slime's empty alignment bucket, labelled
+    refused()
+    updater.set_version("v3")  # a relabel names the mix; it does not repair a torn tensor
+    refused()
+    push(updater, [(names[2], named[2][1])], "v3")  # another tensor: the torn one stays torn
+    assert updater.versions.torn() == [names[0]]
+    refused()
+    push(updater, [(names[0], named[0][1])], None)  # that tensor written again, even unlabelled
+    assert updater.versions.torn() == [] and engine.is_weights_consistent
+    engine.resume()
+    assert engine.submit(req())
+
+
+def test_a_failed_checkpoint_copy_tears_every_tensor_it_changed(model, tmp_path):
+    """A disk update read straight into the parameters on several threads, failing part-way:
+    every HF tensor whose bytes changed carries the mark (and a full update clears them all)."""
+    from grctl.weights import checkpoint as ckpt_mod
+    from grctl.weights.checkpoint import Checkpoint
+    from grctl.weights.disk import update_from_disk
+    from grctl.weights.views import hf_state_dict
+
+    engine, updater = serve(model, weight_version="A")
+    before = {n: t.clone() for n, t in hf_state_dict(model).items()}
+    path = tmp_path / "new"
+    from safetensors.torch import save_file
+
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(model.config.to_hf()))
+    save_file({n: t + 1 for n, t in before.items()}, str(path / "model.safetensors"))
+    reads = {"n": 0}
+
+    def fail_after_five(_: Checkpoint) -> None:
+        reads["n"] += 1
+        if reads["n"] > 5:
+            raise OSError("injected read error")
+
+    ckpt_mod.read_hooks.append(fail_after_five)
+    try:
+        with pytest.raises(WeightCopyError):
+            update_from_disk(updater, str(path), weight_version="B")
+    finally:
+        ckpt_mod.read_hooks.remove(fail_after_five)
+    changed = {n for n, t in hf_state_dict(model).items() if not torch.equal(t, before[n])}
+    torn = set(updater.versions.torn())
+    assert changed and changed <= torn and len(torn) < NUM_TENSORS
+    assert "weights_inconsistent" in engine.ready_reasons()
+    update_from_disk(updater, str(path), weight_version="B")
+    assert updater.versions.torn() == [] and engine.is_weights_consistent
+
+
+def test_torn_marks_are_per_hf_tensor_and_survive_relabels():
+    versions = WeightVersions(DEFAULT_CONFIG, "A")
+    versions.tear(["layers.0.self_attn.qkv_proj.weight"])  # a fused write may touch q, k and v
+    q, k, v = (f"model.layers.0.self_attn.{m}_proj.weight" for m in "qkv")
+    assert versions.torn() == sorted([q, k, v])
+    versions.record([k], "B")
+    versions.relabel("C")
+    assert versions.torn() == sorted([q, v]) and "2 tensors" in versions.describe_torn()
+    versions.record([], None, is_full=True)
+    assert versions.torn() == [] and versions.describe_torn() is None

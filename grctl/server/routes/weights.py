@@ -60,7 +60,7 @@ async def pause_generation(
 @post(
     "/continue_generation",
     status_code=200,
-    summary="Resume generation after a pause (409 weights_mixed while the weights are mixed)",
+    summary="Resume generation after a pause (409 while the weights are mixed or torn)",
 )
 async def continue_generation(state: State) -> ContinueResponse:
     state.engine.resume()
@@ -68,7 +68,10 @@ async def continue_generation(state: State) -> ContinueResponse:
     return ContinueResponse(paused=False)
 
 
-@get("/get_weight_version", summary="The served weight version, step, update count and labels")
+@get(
+    "/get_weight_version",
+    summary="The served weight version, step, update count, labels and torn tensors",
+)
 async def get_weight_version(state: State) -> WeightVersionResponse:
     info = state.updater.versions.as_dict()
     return WeightVersionResponse(
@@ -77,6 +80,8 @@ async def get_weight_version(state: State) -> WeightVersionResponse:
         weight_update_count=info["weight_update_count"],
         weights_mixed=info["weights_mixed"],
         label_counts=info["label_counts"],
+        weights_torn=info["weights_torn"],
+        torn_tensors=info["torn_tensors"],
     )
 
 
