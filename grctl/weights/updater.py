@@ -45,6 +45,10 @@ class UpdateOutcome:
     flushed_cache: bool
     elapsed_ms: float
     num_bytes: int = 0  # written into the model, in its dtype
+    # the label and step this update left, read under its lock (a reply reports these, not
+    # whatever a later update has set since)
+    weight_version: str = ""
+    token_step: int | str | None = None
 
 
 class WeightUpdater:
@@ -100,8 +104,11 @@ class WeightUpdater:
                     is_full=is_full,
                 )
                 self._tell_engine(self.versions.current)
+                label, step = self.versions.current, self.versions.token_step
         num_bytes = sum(w.dst.numel() * w.dst.element_size() for w in writes)
-        return UpdateOutcome(loaded, num_aborted, flushed, round(elapsed_ms, 3), num_bytes)
+        return UpdateOutcome(
+            loaded, num_aborted, flushed, round(elapsed_ms, 3), num_bytes, label, step
+        )
 
     def _tell_engine(self, label: str | None) -> None:
         """What the engine must know of the weights after a write: label, mix, torn tensors."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from grctl.weights import tensor
+from grctl.weights.wire.encode import encode_bucket
 from tests.support.serverproc import assert_error
 
 pytestmark = pytest.mark.timeout(120)
@@ -69,3 +71,30 @@ def test_weights_checker_bodies(http):
         reply = http.post("/weights_checker", json=body)
         assert_error(reply, 400, "validation_error")
         assert reply.json()["success"] is False
+
+
+def test_an_update_reports_the_label_it_wrote(http, srv, monkeypatch):
+    """Another update (here a relabel) landing between this update's end and its reply does not
+    change what the reply says: the label and step this update wrote."""
+    real = tensor.update_from_tensor
+    updater = srv.app.state.updater
+
+    def then_another(*args, **kw):
+        outcome = real(*args, **kw)
+        updater.set_version("theirs")
+        return outcome
+
+    monkeypatch.setattr(tensor, "update_from_tensor", then_another)
+    body = {
+        "serialized_named_tensors": [encode_bucket([])],
+        "load_format": "flattened_bucket",
+        "weight_version": "mine",
+        "token_step": 7,
+    }
+    try:
+        reply = http.post("/update_weights_from_tensor", json=body)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["weight_version"] == "mine" and reply.json()["token_step"] == 7
+        assert http.get("/get_weight_version").json()["weight_version"] == "theirs"
+    finally:
+        updater.set_version("default")

@@ -134,7 +134,6 @@ def update_options(body) -> dict:
 def update_response(
     state: State, outcome, message: str, model_dir: str | None = None, *, transport: str
 ):
-    versions = state.updater.versions
     log_update(state, transport, outcome)
     return UpdateWeightsResponse(
         success=True,
@@ -143,8 +142,8 @@ def update_response(
         tensors_loaded=outcome.tensors_loaded,
         flushed_cache=outcome.flushed_cache,
         num_aborted_requests=outcome.num_aborted_requests,
-        weight_version=versions.current,
-        token_step=versions.token_step,
+        weight_version=outcome.weight_version,
+        token_step=outcome.token_step,
         elapsed_ms=outcome.elapsed_ms,
     )
 
@@ -156,7 +155,7 @@ def log_update(state: State, transport: str, outcome) -> None:
         tensors=outcome.tensors_loaded,
         bytes=outcome.num_bytes,
         ms=outcome.elapsed_ms,
-        version=state.engine.weight_version,
+        version=outcome.weight_version,
         aborted=outcome.num_aborted_requests,
         flushed_cache=outcome.flushed_cache,
     )
