@@ -4,11 +4,12 @@ Layouts: model.safetensors; shards listed by model.safetensors.index.json; pytor
 (or its shard index) and *.pt, loaded whole with weights_only=True (peak memory: the file).
 safetensors files are opened with `safe_open`, which checks that each file is as long as its
 header's offsets say, so a truncated file is refused at validation, before the first byte is
-copied. Their tensors are then read with pread through a descriptor opened at validation, never
-through a memory map: a file truncated after validation gives a short read (an OSError, so the
-update fails and the weights are marked inconsistent) where a mapped read would kill the server
-with SIGBUS; a file renamed over it is not seen; one rewritten in place is noticed by its size
-and mtime."""
+copied. Their tensors are then read with pread through a descriptor opened, and stamped (inode,
+size, mtime), before `safe_open` reads the header, never through a memory map: a file truncated
+after validation gives a short read (an OSError, so the update fails and the tensors it began
+are torn) where a mapped read would kill the server with SIGBUS; a file renamed over it is not
+seen; one rewritten in place is noticed by its size and mtime, by the check at the end of
+validation (a 400, nothing written) or by the one after each read."""
 
 from __future__ import annotations
 
@@ -146,10 +147,12 @@ class Checkpoint:
         if file not in self._handles:
             reader = None
             try:
+                # Stamped first: a change after it, even while safe_open parses, is seen.
+                reader = PinnedSafetensors(file)
                 handle = safe_open(str(file), framework="pt")  # checks header and length
-                reader = PinnedSafetensors(file, handle)
-                if not reader.is_same_file(file):
-                    raise OSError(errno.ESTALE, "the file was replaced while being opened")
+                reader.index(handle)
+                if not reader.is_unchanged(file):
+                    raise OSError(errno.ESTALE, "the file changed while being validated")
             except (SafetensorError, OSError, ValueError, KeyError, TypeError) as exc:
                 if reader is not None:
                     reader.close()
@@ -182,7 +185,8 @@ class Checkpoint:
 
 
 class PinnedSafetensors:
-    """One safetensors file, read with pread through a descriptor opened at validation.
+    """One safetensors file, read with pread through a descriptor opened at validation, before
+    its header is parsed, so every byte read is checked against the file as it was then.
 
     Each tensor's byte range comes from the `safe_open` handle, not from parsing the header
     ourselves: safetensors stores the tensors back to back at the end of the file, with no
@@ -190,31 +194,34 @@ class PinnedSafetensors:
     tensor's offset is the file size less the data's total size plus the sizes before it.
     """
 
-    def __init__(self, file: Path, handle):
+    def __init__(self, file: Path):
         self.name = file.name
         self._fh = open(file, "rb", buffering=0)  # noqa: SIM115 (closed by close() or GC)
-        try:
-            st = os.fstat(self._fh.fileno())
-            self._stamp = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-            self.ranges: dict[str, tuple[int, int, torch.dtype, list[int]]] = {}
-            sizes = []
-            for name in handle.offset_keys():
-                sl = handle.get_slice(name)
-                dtype = SAFETENSORS.get(sl.get_dtype(), torch.uint8)
-                shape = list(sl.get_shape())
-                nbytes = math.prod(shape) * dtype.itemsize
-                sizes.append((name, nbytes, dtype, shape))
-            offset = st.st_size - sum(n for _, n, _, _ in sizes)
-            for name, nbytes, dtype, shape in sizes:
-                self.ranges[name] = (offset, nbytes, dtype, shape)
-                offset += nbytes
-        except BaseException:
-            self._fh.close()
-            raise
+        self._stamp = self._fstat()
+        self.ranges: dict[str, tuple[int, int, torch.dtype, list[int]]] = {}
 
-    def is_same_file(self, file: Path) -> bool:
+    def _fstat(self) -> tuple[int, int, int, int]:
+        st = os.fstat(self._fh.fileno())
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def index(self, handle) -> None:
+        """Every tensor's byte range, from the `safe_open` handle of this same file."""
+        sizes = []
+        for name in handle.offset_keys():
+            sl = handle.get_slice(name)
+            dtype = SAFETENSORS.get(sl.get_dtype(), torch.uint8)
+            shape = list(sl.get_shape())
+            nbytes = math.prod(shape) * dtype.itemsize
+            sizes.append((name, nbytes, dtype, shape))
+        offset = self._stamp[2] - sum(n for _, n, _, _ in sizes)
+        for name, nbytes, dtype, shape in sizes:
+            self.ranges[name] = (offset, nbytes, dtype, shape)
+            offset += nbytes
+
+    def is_unchanged(self, file: Path) -> bool:
+        """The path still names the descriptor's file, and it is as it was when stamped."""
         st = os.stat(file)
-        return (st.st_dev, st.st_ino) == self._stamp[:2]
+        return (st.st_dev, st.st_ino) == self._stamp[:2] and self._fstat() == self._stamp
 
     def read(self, name: str) -> torch.Tensor:
         offset, nbytes, dtype, shape = self.ranges[name]
@@ -239,8 +246,7 @@ class PinnedSafetensors:
             if n <= 0:
                 raise OSError(errno.EIO, f"{self.name} was truncated after validation")
             done += n
-        st = os.fstat(self._fh.fileno())
-        if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != self._stamp:
+        if self._fstat() != self._stamp:
             raise OSError(errno.ESTALE, f"{self.name} was modified after validation")
 
     def close(self) -> None:
