@@ -1,10 +1,10 @@
 """Health, readiness, discovery, /status and /flush_cache replies, the error shape and the
 API-key header (docs/http-api.md "Health, status and discovery", "Errors")."""
 
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
-from msgspec import Meta, Struct
+from msgspec import Struct
 
 from grctl.protocol.weights import StatusWeights
 
@@ -100,7 +100,7 @@ class ServerStatus(Struct, kw_only=True):
 
 
 class FlushCacheBody(Struct, kw_only=True):
-    timeout: Annotated[float, Meta(ge=0.0)] | None = None  # seconds to wait for an idle engine
+    timeout: float | None = None  # SGLang's; checked, never waited on (the server answers at once)
 
 
 class FlushCacheResponse(Struct, kw_only=True):

@@ -190,3 +190,44 @@ def test_openapi_lists_the_bodies(http):
     assert "GenerateBody" in str(ref["schema"])
     sampling = schema["components"]["schemas"]["SamplingParamsBody"]["properties"]
     assert {"max_new_tokens", "n", "temperature", "stop_token_ids"} <= set(sampling)
+
+
+@pytest.mark.parametrize("how", ["query", "body"])
+def test_flush_cache_never_waits_whatever_its_timeout(http, how):
+    """The guide: a timeout "is accepted but the server returns immediately and never blocks"
+    (a parked flush holds a worker thread every blocking route needs). Huge and infinite
+    timeouts are accepted and ignored; nan and negative ones are a 400, never a 500."""
+
+    def flush(timeout: str):
+        if how == "query":
+            return http.get(f"/flush_cache?timeout={timeout}")
+        return http.post("/flush_cache", content=f'{{"timeout": "{timeout}"}}')
+
+    for timeout in ("1e10", "inf"):
+        assert flush(timeout).status_code == 200, timeout  # idle: flushed
+    for timeout in ("nan", "-1"):
+        assert_error(flush(timeout), 400, "validation_error")
+    rid = http.post("/submit", json={"input_ids": [3] * 8, "sampling_params": LONG}).json()
+    wait_until_running(http)
+    # Paused in_place, the request keeps its KV for as long as the pause lasts.
+    assert http.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
+    try:
+        for timeout in ("15", "1e10", "inf"):
+            t0 = time.monotonic()
+            busy = flush(timeout)
+            assert time.monotonic() - t0 < 2 and busy.status_code == 400, busy.text
+            assert busy.json()["error"]["code"] == "cache_busy"
+    finally:
+        http.post("/continue_generation")
+        http.post("/abort_request", json={"abort_all": True})
+        http.get(f"/result/{rid['request_id']}")
+
+
+def test_result_timeouts_out_of_range_are_a_400_or_clamped(http):
+    rid = http.post("/submit", json={"input_ids": [1, 2], "sampling_params": {}}).json()
+    for timeout in ("1e10", "inf"):  # clamped to --generate-timeout-s: waits for the request
+        done = http.get(f"/result/{rid['request_id']}?timeout={timeout}")
+        assert done.status_code == 200, done.text
+        rid = http.post("/submit", json={"input_ids": [1, 2], "sampling_params": {}}).json()
+    assert_error(http.get(f"/result/{rid['request_id']}?timeout=nan"), 400, "validation_error")
+    assert http.get(f"/result/{rid['request_id']}?timeout=60").status_code == 200

@@ -34,6 +34,7 @@ from grctl.protocol.generate import (
 from grctl.server.disconnect import unless_disconnected
 from grctl.server.offload import offload
 from grctl.server.openapi import error_responses
+from grctl.server.params import seconds
 from grctl.server.wire import to_requests, to_response
 
 
@@ -144,15 +145,16 @@ async def poll(state: State, request_id: str) -> PollResponse:
 
 @get(
     "/result/{request_id:str}",
-    summary="Wait for a request's reply (504 after `timeout`)",
+    summary="Wait for a request's reply (504 after `timeout`, at most --generate-timeout-s)",
     responses=error_responses(404, 504),
 )
 async def result(
     state: State,
     request_id: str,
-    timeout: float | None = Parameter(default=None, ge=0, description="seconds to wait"),
+    timeout: float | None = Parameter(default=None, description="seconds to wait"),
 ) -> GenerateResponse:
-    wait = state.config.generate_timeout_s if timeout is None else timeout
+    limit = state.config.generate_timeout_s
+    wait = seconds(timeout, limit=limit, default=limit)
     res = await offload(state, state.engine.result, request_id, timeout=wait)
     state.metrics.observe_result(res)
     return to_response(res, state.tokenizer)

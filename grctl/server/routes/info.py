@@ -27,6 +27,7 @@ from grctl.protocol.info import (
 )
 from grctl.server.metrics import numeric_gauges, split_series
 from grctl.server.offload import offload
+from grctl.server.params import seconds
 
 EXEMPT = {"auth_exempt": True}
 HEALTH_GENERATE_TIMEOUT_S = 30.0
@@ -183,12 +184,15 @@ def flush_hint(pause_mode: str | None) -> str:
             "with mode abort or retract, then flush"
         )
     if pause_mode is not None:  # abort/retract: only the step in flight holds KV, briefly
-        return "the step in flight ends shortly: retry, or pass a timeout to wait"
-    return "pause generation first (POST /pause_generation), or pass a timeout to wait"
+        return "the step in flight ends shortly: retry"
+    return "pause generation first (POST /pause_generation), then retry"
 
 
 async def flush(state: State, timeout: float | None) -> Response[FlushCacheResponse]:
-    ok, cleared = await offload(state, state.engine.flush_cache, timeout=timeout or 0.0)
+    """Answers at once: `timeout` is checked (SGLang sends one) and never waited on, as the
+    guide says, so no flush parks a thread that every blocking route needs."""
+    seconds(timeout, limit=0.0, default=0.0)
+    ok, cleared = state.engine.flush_cache()
     if ok:
         body = StrictFlushCacheResponse(success=True, entries_cleared=cleared)
         return Response(body, status_code=200)
@@ -200,10 +204,10 @@ async def flush(state: State, timeout: float | None) -> Response[FlushCacheRespo
     return Response(body, status_code=400)
 
 
-TimeoutQuery = Parameter(default=None, ge=0, description="seconds to wait for an idle engine")
+TimeoutQuery = Parameter(default=None, description="accepted (SGLang's) and never waited on")
 
 
-@get("/flush_cache", summary="Clear the prefill cache (SGLang-style 400 while busy)")
+@get("/flush_cache", summary="Clear the prefill cache at once (SGLang-style 400 while busy)")
 async def flush_cache_get(
     state: State, timeout: float | None = TimeoutQuery
 ) -> Response[FlushCacheResponse]:
