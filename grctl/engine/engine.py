@@ -8,6 +8,7 @@ are decided here, each holding the Gate (gate.py). The Worker (worker.py) runs t
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -75,6 +76,10 @@ class Engine:
         )
         self.results = ResultStore(config.max_finished_results)
         self.stats = EngineStats()
+        # One weight operation at a time, each to its end: an update (the weights side takes
+        # this lock for its whole run), a read of the weights, a relabel, a memory release or
+        # resume. Never held by a step; the gate's lock is taken inside it, never around it.
+        self.weight_ops = threading.Lock()
         self.catalogs: CatalogStore | None = None  # requests are held to its current catalog
         self.memory = MemorySaver(
             self.gate,
@@ -82,6 +87,7 @@ class Engine:
             self.runner,
             self.cache,
             self.device,
+            weight_ops=self.weight_ops,
             recapture=config.cuda_graph,
             on_error=self.stats.record_error,
         )
@@ -271,7 +277,8 @@ class Engine:
         return self.gate.torn_error(cls)
 
     def require_weights(self, what: str) -> None:
-        """MemoryReleased (503) while /release_memory_occupation holds the weights on the host."""
+        """MemoryReleased (503) while /release_memory_occupation holds the weights on the host
+        (decided for good by whoever holds `weight_ops`)."""
         with self.gate:
             if "weights" in self.gate.released:
                 raise self.gate.memory_error(what)

@@ -11,6 +11,11 @@ Freed device memory goes back to the driver (torch.cuda.empty_cache). Graphs hol
 device addresses, so releasing weights drops them too; they are captured again, with the same
 buckets, once nothing is released any more. Memory moves inside an exclusive section of the
 Gate, which keeps the record of what is released; MemorySaver moves what it was given.
+
+A release or resume holds the engine's `weight_ops` lock from start to end, the lock every weight
+update and every read of the weights (WeightUpdater) holds too: they take turns, so an update
+or a read arriving mid-release waits for it, then finds the weights released (503
+memory_released) instead of writing into parameters already backed up, or reading emptied ones.
 """
 
 from __future__ import annotations
@@ -48,6 +53,16 @@ def check_tags(tags: Iterable[str] | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(tags)) or TAGS
 
 
+def host_backup(p: torch.nn.Parameter) -> torch.Tensor:
+    """What a released parameter comes back from: a host copy (pinned on CUDA); a parameter
+    already in host memory is kept as it is, nothing copied."""
+    if p.device.type == "cpu":
+        return p.detach()
+    backup = torch.empty(p.shape, dtype=p.dtype, pin_memory=p.device.type == "cuda")
+    backup.copy_(p.detach())
+    return backup
+
+
 def empty_device_cache(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -63,6 +78,7 @@ class MemorySaver:
         cache: PrefillCache,
         device: torch.device,
         *,
+        weight_ops: threading.Lock,
         recapture: bool,
         on_error: Callable[[BaseException], None],
     ):
@@ -73,7 +89,7 @@ class MemorySaver:
         self.device = device
         self.is_recapture_on = recapture  # --cuda-graph
         self.on_error = on_error  # a failed re-capture is served eagerly, and counted here
-        self._lock = threading.Lock()  # one release or resume at a time
+        self._lock = weight_ops  # releases, resumes, updates and reads take turns
         self._backups: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         self._recapture: Callable | None = None  # DecodeGraphs' factory while graphs are gone
 
@@ -104,7 +120,8 @@ class MemorySaver:
 
     @contextmanager
     def _section(self, is_busy: Callable[[], bool] | None = None) -> Iterator[None]:
-        """One move at a time, inside an exclusive section: no step and no update starts."""
+        """One move at a time, in its turn among the weight operations, inside an exclusive
+        section: no step starts, and no update or read runs."""
         with self._lock:
             with self.gate:
                 if is_busy is not None and (is_busy() or self.gate.num_exclusive):
@@ -131,14 +148,8 @@ class MemorySaver:
         empty_device_cache(self.device)
 
     def _offload_weights(self) -> None:
-        backups = []
-        for p in self.model.parameters():  # a tied weight is one Parameter: one backup
-            if p.device.type == "cpu":  # already in host memory: keep it, copy nothing
-                backup = p.detach()
-            else:
-                backup = torch.empty(p.shape, dtype=p.dtype, pin_memory=p.device.type == "cuda")
-                backup.copy_(p.detach())
-            backups.append((p, backup))
+        # a tied weight is one Parameter: one backup
+        backups = [(p, host_backup(p)) for p in self.model.parameters()]
         # Every copy is made before any device memory is freed: a failure above frees nothing.
         for p, _ in backups:
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)

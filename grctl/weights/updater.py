@@ -18,7 +18,6 @@ work with or without one; ending one reports the labels and fails while they are
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,7 +57,7 @@ class WeightUpdater:
         self.engine = engine
         self.model = engine.model
         self.versions = WeightVersions(engine.model.config, engine.config.weight_version)
-        self._lock = threading.Lock()
+        self._lock = engine.weight_ops  # updates, reads, relabels and memory moves take turns
         self._session_open = False
 
     def run(
@@ -74,12 +73,14 @@ class WeightUpdater:
         count: bool = True,
         is_full: bool = False,
     ) -> UpdateOutcome:
-        """Validate (no engine hold), then copy inside the engine's exclusive section.
-        `is_full`: the source is a whole checkpoint (every tensor takes the label)."""
+        """In its turn among the weight operations: validate (no engine hold), then copy inside
+        the engine's exclusive section. Refused (503 memory_released) while the weights are
+        released. `is_full`: the source is a whole checkpoint (every tensor takes the label)."""
         t0 = time.perf_counter()
         # A handler thread: receives, rebuilt IPC tensors and copies go to the model's device.
         bind_thread(next(self.model.parameters()).device)
         with self._lock:
+            self.engine.require_weights("the weights cannot be written")
             writes = validate()
             with self.engine.exclusive(abort_all_requests) as num_aborted:
                 try:
@@ -115,9 +116,11 @@ class WeightUpdater:
         self.engine.weights_written(label, self.versions.mix(), self.versions.describe_torn())
 
     def read(self, fn: Callable[..., T], *args) -> T:
-        """Run a read of the live weights (get_weights_by_name, weights_checker) between two
-        updates, never inside one: a read sees one whole update or none of it."""
+        """Run a read of the live weights (get_weights_by_name, weights_checker) in its turn,
+        never inside an update or a memory move: a read sees one whole update or none of it,
+        and never parameters a release emptied (503 memory_released while they are out)."""
         with self._lock:
+            self.engine.require_weights("the weights cannot be read")
             return fn(*args)
 
     def set_version(self, new_version: str, abort_all_requests: bool = False) -> int:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
 from grctl.engine.config import EngineConfig
 from grctl.engine.engine import Engine
 from grctl.engine.request import GenerateRequest, SamplingParams
-from grctl.errors import WeightsInconsistent
+from grctl.errors import MemoryReleased, WeightsInconsistent
 from grctl.weights import apply
 from grctl.weights.apply import WeightCopyError
 from grctl.weights.checkpoint import Checkpoint, plan_checkpoint
@@ -99,3 +102,38 @@ def test_validation_failure_changes_nothing_and_counts_nothing(setup):
         assert torch.equal(p, before[n])
     assert updater.versions.update_count == 0 and engine.weight_version == "default"
     assert greedy(engine) == hf_generate(a, list(PROMPT))
+
+
+def test_release_updates_and_reads_take_turns(setup, monkeypatch):
+    """The CUDA offload branch (a host copy of each parameter, then its storage freed) run on
+    the CPU, slowly: an update and a read that arrive mid-release wait for it to end and are
+    then refused (503 memory_released). Before, the update wrote into parameters already backed
+    up, and resume brought back the old values under the new label."""
+    from grctl.engine import memory
+    from grctl.weights.views import read_rows
+
+    engine, updater, a, b = setup
+    engine.pause("abort")
+    begun = threading.Event()
+
+    def slow_host_copy(p):
+        begun.set()
+        time.sleep(0.02)
+        backup = torch.empty(p.shape, dtype=p.dtype)
+        backup.copy_(p.detach())
+        return backup
+
+    monkeypatch.setattr(memory, "host_backup", slow_host_copy)
+    release = threading.Thread(target=engine.release_memory, args=(["weights"],))
+    release.start()
+    assert begun.wait(10)
+    with pytest.raises(MemoryReleased):
+        update_from_disk(updater, str(b), weight_version="b")
+    with pytest.raises(MemoryReleased):
+        updater.read(read_rows, engine.model, "model.norm.weight", 1)
+    release.join(30)
+    assert engine.memory.released == frozenset({"weights"})
+    engine.resume_memory(["weights"])
+    engine.resume()
+    assert updater.versions.current == "default" and engine.weight_version == "default"
+    assert greedy(engine) == hf_generate(a, list(PROMPT))  # the label's weights: a's
