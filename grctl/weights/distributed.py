@@ -1,11 +1,15 @@
 """The distributed transport: weights broadcast by a trainer (rank 0) over torch.distributed.
 
-An update is validated whole (names, dtypes, shapes against the live model) before this rank
-joins any collective, so a refused request leaves the group's collective sequence intact.
-Tensors are received into fresh buffers outside the engine's exclusive section, and the call
-waits until the transfer has completed (polled against GR_DIST_TIMEOUT_S): a trainer that dies
-or stalls mid-broadcast, or never sends, fails the call with the live weights unchanged. Only
-then does WeightUpdater copy them in.
+The trainer broadcasts as it posts the call, whatever the answer will be. So an update the
+model refuses (an unknown name, a shape that does not fit, the weights released, requests in
+flight) still receives the broadcast, into scratch, and then answers the refusal, as SGLang
+does: the trainer's collective completes and the group's sequence stays in step. Only a call
+whose broadcast cannot be known (dtypes, shapes or load_format unreadable, names repeated, no
+such group, more than twice the model's bytes) is refused without receiving. Tensors are
+received into fresh buffers outside the engine's exclusive section, and the call waits until
+the transfer has completed (polled against GR_DIST_TIMEOUT_S): a trainer that dies or stalls
+mid-broadcast, or never sends, fails the call with the live weights unchanged. Only then does
+WeightUpdater copy them in.
 """
 
 from __future__ import annotations
@@ -125,16 +129,16 @@ def update_from_distributed(
         )
     group = registry.get(group_name)
     model = updater.model
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    if sum(nbytes(s) for s in specs) > 2 * param_bytes:
+    if sum(nbytes(s) for s in specs) > 2 * updater.model_bytes:
         raise ValidationError("the update carries more than twice the served model's bytes")
     device = next(model.parameters()).device if group.backend == "nccl" else torch.device("cpu")
     received: dict[str, torch.Tensor] = {}
+    owed = [True]  # this call's broadcast is still to be received
 
-    def plan_then_receive() -> list[apply.Write]:
-        writes = apply.plan(model, specs, require_full=False)  # refuses before joining
+    def take_broadcast() -> list[torch.Tensor]:
+        owed.clear()
         try:
-            tensors = receive(group, specs, load_format, device)
+            return receive(group, specs, load_format, device)
         except Exception as exc:
             # The collective sequence is broken: no later call could line up with the trainer.
             with contextlib.suppress(ValidationError):  # unless a destroy call came first
@@ -144,8 +148,16 @@ def update_from_distributed(
                 hint="the live weights are unchanged; the group is destroyed, so create a new "
                 "one and send the update again",
             ) from exc
-        received.update(zip((s.name for s in specs), tensors, strict=True))
+
+    def plan_then_receive() -> list[apply.Write]:
+        writes = apply.plan(model, specs, require_full=False)
+        received.update(zip((s.name for s in specs), take_broadcast(), strict=True))
         return writes
+
+    def drain() -> None:
+        """Refused before the receive: take the broadcast into scratch, then refuse."""
+        if owed:
+            take_broadcast()
 
     return updater.run(
         plan_then_receive,
@@ -154,4 +166,5 @@ def update_from_distributed(
         token_step=token_step,
         flush_cache=flush_cache,
         abort_all_requests=abort_all_requests,
+        on_refusal=drain,
     )

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -58,6 +59,8 @@ class WeightUpdater:
         self.model = engine.model
         self.versions = WeightVersions(engine.model.config, engine.config.weight_version)
         self._lock = engine.weight_ops  # updates, reads, relabels and memory moves take turns
+        # the served weights' size, taken while they are loaded (a release empties them)
+        self.model_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
         self._session_open = False
 
     def run(
@@ -72,40 +75,46 @@ class WeightUpdater:
         abort_all_requests: bool = False,
         count: bool = True,
         is_full: bool = False,
+        on_refusal: Callable[[], None] | None = None,
     ) -> UpdateOutcome:
         """In its turn among the weight operations: validate (no engine hold), then copy inside
         the engine's exclusive section. Refused (503 memory_released) while the weights are
-        released. `is_full`: the source is a whole checkpoint (every tensor takes the label)."""
+        released. `is_full`: the source is a whole checkpoint (every tensor takes the label).
+        `on_refusal` runs when the update is refused before its copy, before the refusal is
+        raised: a broadcast source still takes what the trainer sent."""
         t0 = time.perf_counter()
         # A handler thread: receives, rebuilt IPC tensors and copies go to the model's device.
         bind_thread(next(self.model.parameters()).device)
-        with self._lock:
-            self.engine.require_weights("the weights cannot be written")
-            writes = validate()
-            with self.engine.exclusive(abort_all_requests) as num_aborted:
-                try:
-                    loaded = (
-                        apply.copy(writes, fetch, read_into, apply.read_workers()) if writes else 0
-                    )
-                except WeightCopyError as exc:
-                    self.versions.tear(exc.touched)
-                    self._tell_engine(None)
-                    raise
-                flushed = False
-                if flush_cache:
-                    self.engine.clear_prefill_cache()
-                    flushed = True
-                elapsed_ms = (time.perf_counter() - t0) * 1000.0
-                self.versions.record(
-                    [w.name for w in writes],
-                    weight_version,
-                    token_step=token_step,
-                    count=count,
-                    elapsed_ms=elapsed_ms,
-                    is_full=is_full,
-                )
-                self._tell_engine(self.versions.current)
-                label, step = self.versions.current, self.versions.token_step
+        with self._lock, ExitStack() as section:
+            try:
+                self.engine.require_weights("the weights cannot be written")
+                writes = validate()
+                num_aborted = section.enter_context(self.engine.exclusive(abort_all_requests))
+            except Exception:
+                if on_refusal is not None:
+                    on_refusal()
+                raise
+            try:
+                loaded = apply.copy(writes, fetch, read_into, apply.read_workers()) if writes else 0
+            except WeightCopyError as exc:
+                self.versions.tear(exc.touched)
+                self._tell_engine(None)
+                raise
+            flushed = False
+            if flush_cache:
+                self.engine.clear_prefill_cache()
+                flushed = True
+            elapsed_ms = (time.perf_counter() - t0) * 1000.0
+            self.versions.record(
+                [w.name for w in writes],
+                weight_version,
+                token_step=token_step,
+                count=count,
+                elapsed_ms=elapsed_ms,
+                is_full=is_full,
+            )
+            self._tell_engine(self.versions.current)
+            label, step = self.versions.current, self.versions.token_step
         num_bytes = sum(w.dst.numel() * w.dst.element_size() for w in writes)
         return UpdateOutcome(
             loaded, num_aborted, flushed, round(elapsed_ms, 3), num_bytes, label, step

@@ -198,11 +198,9 @@ def test_invalid_requests_are_refused_without_joining(urls, ckpts):
     good = {"names": [name], "dtypes": ["float32"], "shapes": [list(state[name].shape)]}
     with WeightBroadcaster(urls, timeout_s=TIMEOUT_S) as wb:
         good["group_name"] = wb.name
-        for bad in [
-            {"names": ["model.layers.9.mlp.up_proj.weight"]},  # a layer the model lacks
+        for bad in [  # a description no trainer could broadcast, or no group to receive in
             {"dtypes": ["bfloat17"]},
             {"shapes": [[-1, 64]]},
-            {"shapes": [[1, 64]]},
             {"group_name": "no_such_group"},
             {"load_format": "direct"},
         ]:
@@ -221,6 +219,52 @@ def test_invalid_requests_are_refused_without_joining(urls, ckpts):
         assert wb.is_broken and time.monotonic() - t0 < TIMEOUT_S - 1
     assert time.monotonic() - t0 < TIMEOUT_S - 1  # close() did not wait for the lost broadcast
     assert_error(destroy(url, wb.name), 400, "validation_error")  # destroyed by close()
+
+
+def update_beside_its_broadcast(wb, url: str, body: dict, tensors: list) -> httpx.Response:
+    """One update call and its broadcast, as a trainer makes them; the broadcast must end (the
+    server received it) within the receive timeout."""
+    call = THREADS.submit(post, url, "/update_weights_from_distributed", body)
+    works = [dist.broadcast(t, 0, group=wb.pg, async_op=True) for t in tensors]
+    reply = call.result(TIMEOUT_S + 10)
+    wait_all(works, TIMEOUT_S)  # TimeoutError: the server left the broadcast unmatched
+    return reply
+
+
+def test_a_refused_update_still_drains_the_broadcast(urls, ckpts):
+    """As SGLang: an update the model refuses (an unknown name, a shape that does not fit, the
+    weights released) receives the trainer's broadcast into scratch, then answers the refusal,
+    so the trainer never hangs and the group's collective sequence stays in step."""
+    url, state = urls[0], load_hf(ckpts["seed2"]).state_dict()
+    before = checksums(url)
+    q, k = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"
+    unknown = ("model.layers.9.mlp.up_proj.weight", torch.randn(96, 64))
+    wrong = (q, torch.randn(1, 64))
+    with WeightBroadcaster([url], timeout_s=TIMEOUT_S) as wb:
+        for load_format in (None, "flattened_bucket"):
+            for named in ([unknown], [(k, state[k]), wrong]):
+                names = [n for n, _ in named]
+                tensors = [t.contiguous() for _, t in named]
+                body = {"names": names, "dtypes": ["float32"] * len(names),
+                        "shapes": [list(t.shape) for t in tensors], "group_name": wb.name,
+                        "load_format": load_format, "weight_version": "refused"}  # fmt: skip
+                if load_format == "flattened_bucket":
+                    tensors = [torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])]
+                reply = update_beside_its_broadcast(wb, url, body, tensors)
+                assert_error(reply, 400, "validation_error")
+                assert reply.json()["success"] is False
+        released = post(url, "/release_memory_occupation", {"tags": ["weights"]})
+        assert released.status_code == 200, released.text
+        body = {"names": [q], "dtypes": ["float32"], "shapes": [list(state[q].shape)],
+                "group_name": wb.name}  # fmt: skip
+        reply = update_beside_its_broadcast(wb, url, body, [state[q].contiguous()])
+        assert_error(reply, 503, "memory_released")
+        assert post(url, "/resume_memory_occupation", {"tags": None}).status_code == 200
+        assert checksums(url) == before  # nothing written
+        assert httpx.get(url + "/get_weight_version").json()["weight_version"] != "refused"
+        wb.send(state.items(), weight_version="seed2")  # still in step: it lines up
+    assert checksums(url) == expected_sums(state, before)
+    assert greedy(url) == hf_generate(load_hf(ckpts["seed2"]), PROMPT, MAX_NEW)
 
 
 def test_init_refuses_bad_args_and_times_out_without_a_trainer(urls):
