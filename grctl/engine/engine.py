@@ -211,6 +211,7 @@ class Engine:
     ) -> list[GenerateResult]:
         """Submit every request (all or none), then wait for each: one scheduler batch. On a
         timeout (for the whole batch) or any error, the unfinished ones are cancelled."""
+        self.check_batch_fits(len(reqs))
         rids: list[str] = []
         results: list[GenerateResult] = []
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -224,6 +225,17 @@ class Engine:
             self.discard(rids[len(results) :])
             raise
         return results
+
+    def check_batch_fits(self, num_requests: int) -> None:
+        """A batch queued whole can never fit a waiting queue shorter than it: a 400 naming the
+        limit, not the retryable 429 of a queue that is only full for now."""
+        limit = self.config.max_waiting_requests
+        if num_requests > limit:
+            raise ValidationError(
+                f"a batch of {num_requests} prompts is more than the waiting queue holds "
+                f"({limit}, --max-waiting-requests)",
+                hint="split the batch, or raise --max-waiting-requests",
+            )
 
     def discard(self, request_ids: list[str]) -> None:
         """Cancel requests and drop their results, as if they had never been submitted."""

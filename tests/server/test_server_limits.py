@@ -151,6 +151,20 @@ def test_overloaded_and_generate_timeout(http):
     http.post("/abort_request", json={"abort_all": True})
 
 
+def test_a_batch_larger_than_the_waiting_queue_is_a_400_on_an_idle_server(http):
+    """Three prompts can never be queued whole behind --max-waiting-requests 2: no retry could
+    succeed, so it is not the retryable 429 of a queue that is full for now."""
+    http.post("/abort_request", json={"abort_all": True})
+    three = [[1], [2], [3]]
+    err = assert_error(http.post("/generate", json={"input_ids": three}), 400, "validation_error")
+    assert err["retryable"] is False and "--max-waiting-requests" in err["message"]
+    many = {"requests": [{"input_ids": ids} for ids in three]}
+    err = assert_error(http.post("/submit_many", json=many), 400, "validation_error")
+    assert "(2, --max-waiting-requests)" in err["message"]
+    two = http.post("/generate", json={"input_ids": three[:2]})  # the limit itself fits
+    assert two.status_code == 200 and len(two.json()) == 2
+
+
 @pytest.mark.parametrize("server", ["app", "srv"])
 def test_healthy_after_everything(request, server):
     srv = request.getfixturevalue(server)

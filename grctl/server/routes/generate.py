@@ -111,6 +111,7 @@ async def submit_many(
             max_beam_width=cfg.max_beam_width,
             max_new_tokens_limit=cfg.max_new_tokens,
         )
+    engine.check_batch_fits(len(reqs))
     ids = [r.request_id for r in reqs]
     if len(set(ids)) != len(ids):
         raise DuplicateRequestId("the batch repeats a request id; nothing was queued")
