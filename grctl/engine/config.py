@@ -42,10 +42,11 @@ class EngineConfig:
     max_running_requests: int = knob(64, "Requests decoded together.", "Scheduling", min=1)
     max_waiting_requests: int = knob(1024, "Queued requests before 429.", "Scheduling", min=1)
     max_context_len: int = knob(
-        8192,
-        "Longest prompt + output, in tokens.",
+        0,
+        "Longest prompt + output, in tokens; 0: the checkpoint's max_position_embeddings, "
+        "which it may not exceed.",
         "Scheduling",
-        min=1,
+        min=0,
         aliases=("--context-length",),  # SGLang's name
     )
     max_beam_width: int = knob(256, "Largest n (beam width).", "Scheduling", min=1)

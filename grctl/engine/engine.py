@@ -49,6 +49,22 @@ if TYPE_CHECKING:
 log = logging.getLogger("grctl.engine")
 
 
+def context_limit(asked: int, model_config) -> int:
+    """--max-context-len (0: the checkpoint's own limit), never past the positions the
+    checkpoint covers: max_position_embeddings, or its RoPE scaling's window (original x
+    factor) when that is longer. SGLang refuses a longer context the same way."""
+    limit, rope = model_config.max_position_embeddings, model_config.rope
+    if rope.rope_type != "default":
+        limit = max(limit, int(rope.original_max_position_embeddings * rope.factor))
+    if asked > limit:
+        raise ValidationError(
+            f"--max-context-len {asked} is longer than the checkpoint's {limit} positions "
+            f"(max_position_embeddings {model_config.max_position_embeddings})",
+            hint=f"pass --max-context-len {limit} or less, or 0 for the checkpoint's own limit",
+        )
+    return asked or limit
+
+
 class Engine:
     """The API the server calls. `run_step()` advances one step by hand when no worker is
     started, which tests use to reach every state deterministically."""
@@ -59,6 +75,7 @@ class Engine:
             model.to(self.device)  # at construction only: later, weights are written in place
         self.model = model.eval()
         self.config = config
+        self.max_context_len = context_limit(config.max_context_len, model.config)
         self.gate = Gate(config.weight_version, allow_mixed=config.allow_partial_updates)
         self.cache = PrefillCache(
             config.enable_prefill_cache,
@@ -150,7 +167,7 @@ class Engine:
         validate_request(
             req,
             self.model.config,
-            max_context_len=cfg.max_context_len,
+            max_context_len=self.max_context_len,
             max_beam_width=cfg.max_beam_width,
             max_new_tokens_limit=cfg.max_new_tokens,
         )

@@ -142,6 +142,17 @@ def test_bad_flag_is_one_red_line():
     assert "unsupported dtype 'int8'" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_context_longer_than_the_checkpoint_is_one_red_line():
+    proc = subprocess.run(
+        [sys.executable, "-m", "grctl", "serve", "--max-context-len", "9000", "--port", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "--max-context-len 9000 is longer than the checkpoint's 8192 positions" in proc.stderr
+
+
 @pytest.mark.timeout(120)
 def test_sigterm_drains_in_flight_requests():
     with running_server() as srv, srv.client() as http:

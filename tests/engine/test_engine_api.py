@@ -23,7 +23,7 @@ from grctl.errors import (
     ValidationError,
     WeightsInconsistent,
 )
-from tests.support.reference import hf_and_ours
+from tests.support.reference import hf_and_ours, rope_pair
 
 
 @pytest.fixture(scope="module")
@@ -259,3 +259,28 @@ def test_context_kv_is_shared_by_beams(model):
     per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4  # fp32 bytes
     assert st["context_kv_bytes"] == 2 * len(prompt) * per_token
     assert st["beam_kv_bytes"] == (1 + 8) * 3 * per_token  # max_new_tokens - 1 steps
+
+
+def test_context_limit_is_the_checkpoints_positions(model):
+    """--max-context-len 0 takes the checkpoint's max_position_embeddings (512 here); a longer
+    one is refused at start, since no position past it was trained (it used to be accepted
+    and prompts past the checkpoint's positions were served)."""
+    assert model.config.max_position_embeddings == 512
+    assert Engine(model, EngineConfig()).max_context_len == 512
+    assert make(model).max_context_len == 256
+    with pytest.raises(ValidationError, match="longer than the checkpoint's 512 positions"):
+        Engine(model, EngineConfig(max_context_len=513))
+    eng = Engine(model, EngineConfig(max_new_tokens=64))
+    with pytest.raises(ValidationError, match="context limit of 512"):
+        eng.submit(req(ids=[1] * 500, max_new_tokens=13))
+    assert eng.submit(req(ids=[1] * 500, max_new_tokens=12))
+
+
+def test_context_limit_follows_the_rope_scaling_window():
+    """A scaled RoPE declares a longer window (original x factor) than max_position_embeddings
+    may say: yarn over 16 original positions x 4 covers 64 of a 32-position config."""
+    scaled = rope_pair("yarn", "rope_parameters")[1]
+    assert scaled.config.max_position_embeddings == 32
+    assert Engine(scaled, EngineConfig()).max_context_len == 64
+    with pytest.raises(ValidationError, match="64 positions"):
+        Engine(scaled, EngineConfig(max_context_len=65))

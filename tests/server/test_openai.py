@@ -74,6 +74,8 @@ def hf_logprobs(hf, prompt: list[int], output_ids: list[int]) -> list[float]:
 def test_models(oa, srv, ckpt):
     (card,) = oa.models.list().data
     assert card.id == NAME and card.root == str(ckpt) and card.owned_by == "grctl"
+    # the served context: the checkpoint's 512 positions (--max-context-len 0), not the flag's 0
+    assert card.model_dump()["max_model_len"] == 512
     assert oa.models.retrieve(NAME).id == NAME
     with pytest.raises(openai.NotFoundError):
         oa.models.retrieve("another-model")

@@ -107,7 +107,7 @@ async def submit_many(
         validate_request(
             req,
             engine.model.config,
-            max_context_len=cfg.max_context_len,
+            max_context_len=engine.max_context_len,
             max_beam_width=cfg.max_beam_width,
             max_new_tokens_limit=cfg.max_new_tokens,
         )

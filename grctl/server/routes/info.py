@@ -123,7 +123,7 @@ async def server_info(state: State, request: Request) -> ServerInfo:
         dtype=name_of(param.dtype),
         served_model_name=served_model_name(state),
         enable_memory_saver=state.config.enable_memory_saver,
-        context_length=cfg.max_context_len,
+        context_length=state.engine.max_context_len,
         max_running_requests=cfg.max_running_requests,
         max_waiting_requests=cfg.max_waiting_requests,
         max_beam_width=cfg.max_beam_width,

@@ -60,7 +60,7 @@ def model_card(state: State) -> ModelCard:
         id=served_model_name(state),
         created=STARTED,
         root=state.model_path,
-        max_model_len=state.config.engine.max_context_len,
+        max_model_len=state.engine.max_context_len,
     )
 
 
@@ -168,7 +168,7 @@ async def chat_completions(
     cfg = state.config.engine
     max_new = body.max_completion_tokens or body.max_tokens
     if max_new is None:  # the server's limit, within the context left after the prompt
-        max_new = max(1, min(cfg.max_new_tokens, cfg.max_context_len - len(prompt)))
+        max_new = max(1, min(cfg.max_new_tokens, state.engine.max_context_len - len(prompt)))
     results, choices = await run(state, request, body, [prompt], max_new, body.logprobs)
     head = {
         "id": f"chatcmpl-{results[0].request_id}",
