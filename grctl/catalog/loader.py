@@ -12,6 +12,7 @@ import gc
 import itertools
 import operator
 import os
+import stat
 from dataclasses import dataclass
 
 import msgspec
@@ -78,23 +79,34 @@ class ItemIds:
 
 
 def read_catalog(path: str, *, max_bytes: int | None = None, vocab_size: int | None = None):
-    """Parse and check a catalog file -> CatalogRows. Raises ValidationError naming the line."""
+    """Parse and check a catalog file -> CatalogRows. Raises ValidationError naming the line.
+
+    Only a regular file is read, and its size is checked before any byte is: a FIFO would
+    block the reload forever (opened without blocking, then refused), and a device such as
+    /dev/zero reports size 0 and never ends."""
     try:
-        size = os.stat(path).st_size
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as exc:
         raise ValidationError(f"catalog {path!r} cannot be read: {exc.strerror}") from None
-    if max_bytes is not None and size > max_bytes:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
         raise ValidationError(
-            f"catalog {path!r} is {size} bytes, over the limit of {max_bytes} "
-            "(--max-catalog-bytes); split it or raise the limit"
+            f"catalog {path!r} is not a regular file", hint="give the path of a JSONL file"
         )
-    try:
-        with open(path, "rb") as f:
-            data = f.read() if max_bytes is None else f.read(max_bytes + 1)
-    except OSError as exc:
-        raise ValidationError(f"catalog {path!r} cannot be read: {exc.strerror}") from None
-    if max_bytes is not None and len(data) > max_bytes:
-        raise ValidationError(f"catalog {path!r} grew over {max_bytes} bytes while being read")
+    with open(fd, "rb") as f:
+        size = st.st_size
+        if max_bytes is not None and size > max_bytes:
+            raise ValidationError(
+                f"catalog {path!r} is {size} bytes, over the limit of {max_bytes} "
+                "(--max-catalog-bytes); split it or raise the limit"
+            )
+        try:
+            data = f.read(size + 1)
+        except OSError as exc:
+            raise ValidationError(f"catalog {path!r} cannot be read: {exc.strerror}") from None
+    if len(data) > size:
+        raise ValidationError(f"catalog {path!r} grew while being read; reload it once written")
     return parse_catalog(data, source=path, vocab_size=vocab_size)
 
 

@@ -3,12 +3,16 @@ reload under load."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+import tracemalloc
 
 import httpx
 import pytest
 
+from grctl.catalog.loader import read_catalog
+from grctl.errors import ValidationError
 from tests.support.appserver import app_server
 from tests.support.catalogs import write_catalog
 from tests.support.serverproc import assert_error
@@ -102,6 +106,47 @@ def test_bad_file_is_400_naming_the_line_and_old_catalog_serves(served, case):
     assert needle in err["message"], err["message"]
     assert client.get("/catalog/status").json() == before
     check_items(generate(client), v1)
+
+
+def test_only_a_regular_file_is_read(served):
+    """A FIFO used to block the reload forever, holding the reload lock (every later reload
+    waited behind it); a directory or a device is no catalog either. Each is a 400 at once."""
+    srv, client, root, v1 = served
+    before = client.get("/catalog/status").json()
+    fifo = root / "catalog.fifo"
+    os.mkfifo(fifo)
+    (root / "a-directory").mkdir()
+    for path in (fifo, root / "a-directory"):
+        replies: list[httpx.Response] = []
+
+        def reload(p=path, out=replies) -> None:
+            out.append(client.post("/catalog/reload", json={"path": str(p)}))
+
+        call = threading.Thread(target=reload, daemon=True)
+        call.start()
+        call.join(10)
+        if call.is_alive():  # unblock the stuck open so the server can stop
+            with open(fifo, "wb"):
+                pass
+            call.join(10)
+        assert replies, f"/catalog/reload of {path.name} did not answer within 10 s"
+        err = assert_error(replies[0], 400, "validation_error")
+        assert "is not a regular file" in err["message"], err["message"]
+    assert client.get("/catalog/status").json() == before
+    check_items(generate(client), v1)
+
+
+def test_a_device_is_refused_before_a_byte_is_read():
+    """/dev/zero reports size 0 and never ends: read up to --max-catalog-bytes, it used to take
+    that much memory before the refusal; now it is refused from its fstat, nothing read."""
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValidationError, match="is not a regular file"):
+            read_catalog("/dev/zero", max_bytes=64 << 20)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
 
 
 def test_paths_outside_weights_root_and_bad_bodies(served, tmp_path):
