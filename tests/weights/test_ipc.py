@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from grctl.errors import WeightValidationError
-from grctl.weights.wire import cuda, encode, unpickler
+from grctl.weights.wire import cuda, encode, rebuilds, unpickler
 from grctl.weights.wire.decode import decode_bucket, decode_payload
 from grctl.weights.wire.encode import (
     FlattenedTensorBucket,
@@ -386,12 +386,12 @@ def test_device_uuid_maps_to_local_index(monkeypatch):
     monkeypatch.setattr(
         torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(uuid=uuids[i])
     )
-    assert unpickler.cuda_device_index("GPU-bbbb") == 1
-    assert unpickler.cuda_device_index(0) == 0
+    assert rebuilds.cuda_device_index("GPU-bbbb") == 1
+    assert rebuilds.cuda_device_index(0) == 0
     with pytest.raises(WeightValidationError, match="UUID 'GPU-cccc'"):
-        unpickler.cuda_device_index("GPU-cccc")
+        rebuilds.cuda_device_index("GPU-cccc")
     with pytest.raises(WeightValidationError, match="device 2"):
-        unpickler.cuda_device_index(2)
+        rebuilds.cuda_device_index(2)
 
 
 def test_sender_puts_device_uuid_at_arg_6(monkeypatch):

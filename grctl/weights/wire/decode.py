@@ -16,8 +16,9 @@ import torch
 
 from grctl.errors import GrctlError, WeightValidationError
 from grctl.model.dtypes import DTYPES
+from grctl.weights.wire.rebuilds import check_extent
 from grctl.weights.wire.records import LocalSerializedTensor, metadata_fault
-from grctl.weights.wire.unpickler import check_extent, safe_loads
+from grctl.weights.wire.unpickler import safe_loads
 
 LOAD_FORMATS = ("flattened_bucket", "direct", None)
 _ALLOWED_DTYPES = frozenset(DTYPES.values())
