@@ -432,3 +432,73 @@ def run_unsafely(builders: list[str], root: Path) -> dict[str, bool]:
         check=True,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# ---- stalls, growth and writes: payloads inside the allowlist that a receiver must bound ----
+
+LST = glob("sglang.srt.model_executor.model_runner", "LocalSerializedTensor")
+
+
+def shared_nest(depth: int, empty: bytes = b"]", close: bytes = b"l") -> bytes:
+    """x = [x, x] (or a tuple), `depth` times over: 7 bytes a level, 2**depth items unfolded."""
+    body = empty + b"\x94" + b"0"  # MEMOIZE the innermost, POP it
+    for level in range(depth):
+        ref = b"h" + bytes([level])  # BINGET
+        body += b"(" + ref + ref + close + b"\x94" + b"0"
+    return body + b"h" + bytes([depth])
+
+
+def deep_nest(depth: int) -> bytes:
+    """A tuple nested `depth` deep: hashing it recurses once a level in C."""
+    return b"(" * depth + b")" + b"t" * depth
+
+
+def memo_put_at(index: int) -> bytes:
+    """LONG_BINPUT at `index`: the C unpickler grows its memo array to twice that."""
+    return NONE + b"r" + struct.pack("<I", index)
+
+
+def _build_on(target: bytes, slot_state: bytes) -> bytes:
+    """BUILD with (None, slot_state): the unpickler setattr()s each slot on the target."""
+    return target + b"(" + NONE + slot_state + b"tb"
+
+
+def dct(*pairs: bytes) -> bytes:
+    return b"}(" + b"".join(pairs) + b"u"
+
+
+# Each is refused, fast, and leaves the process as it was (no object changed, no memory kept).
+BOUNDS: dict[str, bytes] = {
+    # x = [x, x] 22 deep as rebuild_tensor's class: formatting its repr took 2.7 s
+    "shared_lists_in_a_message": done(
+        call(glob(RED, "rebuild_tensor"), shared_nest(22), NONE, NONE)
+    ),
+    "shared_tuples_as_a_dict_key": done(
+        b"}" + shared_nest(40, empty=b")", close=b"t") + i(1) + b"s"
+    ),
+    "deep_tuple_as_a_dict_key": done(b"}" + deep_nest(100_000) + i(1) + b"s"),
+    "deep_lists": done(b"(" * 100_000 + b"]" + b"l" * 100_000),
+    "memo_index_far_ahead": done(memo_put_at(2**26)),
+    "colliding_int_keys": done(
+        b"}(" + b"".join(big(k * (2**61 - 1)) + NONE for k in range(1, 2000)) + b"u"
+    ),
+    "set_of_items": done(b"\x8f(" + i(1) + i(2) + b"\x90"),  # EMPTY_SET MARK ... ADDITEMS
+    "build_defaults_on_an_allowed_function": done(
+        _build_on(glob(RED, "rebuild_storage_filename"), dct(s("__defaults__"), b"(K\x07t"))
+    ),
+    "build_on_a_class_token": done(_build_on(glob("torch", "Tensor"), dct(s("name"), s("x")))),
+    "build_on_an_ordered_dict": done(
+        _build_on(call(glob("collections", "OrderedDict")), dct(s("x"), i(1)))
+    ),
+    "build_on_a_record_class": done(
+        glob("grctl.weights.wire.records", "LocalSerializedTensor")
+        + dct(s("values"), lst(b(b"x")))
+        + b"b"
+    ),
+    "local_serialized_tensor_by_reduce": done(
+        b"](" + s("w") + call(LST, dct(i(1), b(b"x"))) + b"\x86e"
+    ),
+    "metadata_record_by_reduce": done(
+        call(glob("grctl.weights.wire.records", "FlattenedTensorMetadata"), *[NONE] * 6)
+    ),
+}

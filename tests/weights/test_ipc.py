@@ -557,11 +557,12 @@ def test_shared_memory_size_counts_torchs_header():
         (b"(h\x00K\x00(K\x40t(K\x01tt", "resizable|ends at byte"),  # set_ past the end
     ],
 )
-def test_build_on_a_rebuilt_tensor_is_caught(state, fault):
-    """Tensor.__setstate__ is reachable through BUILD; the decoded tensor is checked again."""
+def test_build_on_a_rebuilt_tensor_is_caught(state, fault, monkeypatch):
+    """BUILD would reach Tensor.__setstate__ on a rebuilt tensor: the scan refuses BUILD on
+    anything but a wire record, and were it ever to miss one, the decoded tensor is checked
+    again."""
     tensor = share_for_ipc(torch.zeros(4))
     manager, handle, size = tensor.untyped_storage()._share_filename_cpu_()
-    tensor.untyped_storage()._shared_incref()
     untyped = h.call(
         h.glob(h.RED, "rebuild_storage_filename"), h.UNTYPED, h.b(manager), h.b(handle), h.i(size)
     )
@@ -571,6 +572,10 @@ def test_build_on_a_rebuilt_tensor_is_caught(state, fault):
     meta = b"(K\x00" + h.call(h.glob("torch", "Size"), b"(K\x04t") + b"(K\x01t\x89t"
     rebuilt = h.call(h.glob(h.RED, "rebuild_tensor"), h.glob("torch", "Tensor"), typed, meta)
     payload = h.done(b"](" + h.s("w") + rebuilt + state + b"b\x86e")
+    with pytest.raises(WeightValidationError, match="BUILD on what an allowlisted function"):
+        decode_payload(payload, "direct")
+    tensor.untyped_storage()._shared_incref()  # as a sender does; the rebuild below decrefs
+    monkeypatch.setattr(unpickler, "check_stream", lambda data, resolve: None)
     with pytest.raises(WeightValidationError, match=fault):
         decode_payload(payload, "direct")
 

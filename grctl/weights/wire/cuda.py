@@ -29,13 +29,15 @@ def _libcuda():
         return None
 
 
-def cuda_address_range(ptr: int) -> tuple[int, int] | None:
-    """(base, size) of the device allocation holding `ptr` (cuMemGetAddressRange), or None."""
+def cuda_address_range(ptr: int, device: int) -> tuple[int, int] | None:
+    """(base, size) of the allocation holding `ptr` (cuMemGetAddressRange, asked in `device`'s
+    context, where torch opens IPC handles), or None when the driver cannot say."""
     lib = _libcuda()
     fn = getattr(lib, "cuMemGetAddressRange_v2", None) if lib is not None else None
     if fn is None:
         return None
     base, size = ctypes.c_uint64(), ctypes.c_size_t()
-    if fn(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr)) != 0:
-        return None
+    with torch.cuda.device(device):
+        if fn(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr)) != 0:
+            return None
     return base.value, size.value

@@ -16,6 +16,7 @@ import torch
 
 from grctl.errors import GrctlError, WeightValidationError
 from grctl.model.dtypes import DTYPES
+from grctl.weights.wire.describe import describe
 from grctl.weights.wire.rebuilds import check_extent
 from grctl.weights.wire.records import LocalSerializedTensor, metadata_fault
 from grctl.weights.wire.unpickler import safe_loads
@@ -61,7 +62,8 @@ def decode_bucket(obj: object) -> list[tuple[str, torch.Tensor]]:
     for name, _, _, start, end in sorted((s for s in spans if s[4] > s[3]), key=lambda s: s[3]):
         if start < last_end:
             raise WeightValidationError(
-                f"flattened_bucket tensors {last_name!r} and {name!r} overlap at offset {start}"
+                f"flattened_bucket tensors {describe(last_name)} and {describe(name)} overlap at "
+                f"offset {start}"
             )
         last_end, last_name = end, name
     return [
@@ -76,11 +78,11 @@ def _check_record(index: int, record: object, flat: torch.Tensor) -> tuple:
     )
     fault = metadata_fault(name, shape, dtype, start, end, numel)
     if fault is not None:
-        who = f"tensor {name!r}" if isinstance(name, str) else f"record {index}"
+        who = f"tensor {describe(name)}" if isinstance(name, str) else f"record {index}"
         raise WeightValidationError(f"flattened_bucket {who}: {fault}")
 
     def refuse(what: str) -> WeightValidationError:
-        return WeightValidationError(f"flattened_bucket tensor {name!r}: {what}")
+        return WeightValidationError(f"flattened_bucket tensor {describe(name)}: {what}")
 
     # uint8 flat tensor: byte offsets. Another dtype: an old one-dtype bucket, offsets in elements.
     in_bytes = flat.dtype == torch.uint8
@@ -136,11 +138,11 @@ def decode_named_tensors(obj: object) -> list[tuple[str, torch.Tensor]]:
             raise WeightValidationError(f"payload item {index} is not a (name, tensor) pair")
         name, tensor = item
         if not isinstance(name, str):
-            raise WeightValidationError(f"payload item {index}: name {name!r:.60} is not a str")
+            raise WeightValidationError(f"payload item {index}: name {describe(name)} is not a str")
         if isinstance(tensor, LocalSerializedTensor):
             inner = deserialize(tensor.entry(0))
             tensor = _checked_tensor(inner, "LocalSerializedTensor entry 0")
-        out.append((name, _checked_tensor(tensor, f"tensor {name!r}")))
+        out.append((name, _checked_tensor(tensor, f"tensor {describe(name)}")))
     return out
 
 
@@ -148,7 +150,8 @@ def decode_payload(entry: str | bytes, load_format: str | None) -> list[tuple[st
     """One serialized_named_tensors entry -> validated (name, tensor) pairs."""
     if load_format not in LOAD_FORMATS:
         raise WeightValidationError(
-            f"load_format {load_format!r} is not supported; use flattened_bucket, direct or null"
+            f"load_format {describe(load_format)} is not supported; use flattened_bucket, "
+            "direct or null"
         )
     obj = deserialize(entry)
     try:
@@ -157,7 +160,7 @@ def decode_payload(entry: str | bytes, load_format: str | None) -> list[tuple[st
         return decode_named_tensors(obj)
     except GrctlError:
         raise
-    except (RuntimeError, TypeError, ValueError, OverflowError) as exc:
+    except (RuntimeError, TypeError, ValueError, OverflowError, LookupError, AttributeError) as exc:
         # Whatever the unpickled objects hold, the sender's mistake is a 400, never a 500.
-        msg = f"tensor payload refused: {type(exc).__name__}: {exc}"
-        raise WeightValidationError(msg[:400]) from None
+        msg = f"tensor payload refused: {type(exc).__name__}: {str(exc)[:300]}"
+        raise WeightValidationError(msg) from None

@@ -20,6 +20,7 @@ import torch
 
 from grctl.errors import WeightValidationError
 from grctl.model.dtypes import DTYPES
+from grctl.weights.wire.describe import describe
 
 _ALLOWED_DTYPES = frozenset(DTYPES.values())
 _MAX_DIM = 2**63 - 1  # torch sizes are int64
@@ -40,7 +41,7 @@ class FlattenedTensorMetadata:
         fault = metadata_fault(*(state.get(key) for key in _FIELD_ORDER))
         if fault is not None:
             name = state.get("name")
-            who = f"tensor {name!r:.80}" if isinstance(name, str) else "record"
+            who = f"tensor {describe(name)}" if isinstance(name, str) else "record"
             raise WeightValidationError(f"flattened_bucket {who}: {fault}")
         for key in _FIELD_ORDER:
             setattr(self, key, state[key])
@@ -53,18 +54,18 @@ METADATA_FIELDS = frozenset(_FIELD_ORDER)
 def metadata_fault(name, shape, dtype, start_idx, end_idx, numel) -> str | None:
     """What is wrong with a record's field types, or None; the same words wherever it is read."""
     if not isinstance(name, str):
-        return f"name {name!r:.60} is not a str"
+        return f"name {describe(name)} is not a str"
     if not isinstance(shape, (tuple, list)) or not all(
         type(d) is int and 0 <= d <= _MAX_DIM for d in shape
     ):
-        return f"shape {shape!r:.80} is not a sequence of ints >= 0"
+        return f"shape {describe(shape)} is not a sequence of ints >= 0"
     if not isinstance(dtype, torch.dtype) or dtype not in _ALLOWED_DTYPES:
-        return f"dtype {dtype!r:.40} is not a torch dtype grctl accepts"
+        return f"dtype {describe(dtype)} is not a torch dtype grctl accepts"
     for key, value in (("start_idx", start_idx), ("end_idx", end_idx), ("numel", numel)):
         if type(value) is not int:
-            return f"{key} {value!r:.40} is not an int"
+            return f"{key} {describe(value)} is not an int"
         if not -_MAX_DIM <= value <= _MAX_DIM:
-            return f"{key} {value!r:.40} is out of range"
+            return f"{key} {describe(value)} is out of range"
     return None
 
 
@@ -76,13 +77,18 @@ class LocalSerializedTensor:
 
     def __setstate__(self, state: object) -> None:
         values = state.get("values") if isinstance(state, dict) and len(state) == 1 else None
-        if not isinstance(values, list) or not all(isinstance(v, (bytes, str)) for v in values):
-            raise WeightValidationError("LocalSerializedTensor.values is not a list of payloads")
+        _check_values(values)
         self.values = values
 
     def entry(self, rank: int = 0) -> bytes | str:
         """TP rank `rank`'s serialized tensor (decode it with decode.deserialize)."""
-        values = getattr(self, "values", None) or []
+        values = getattr(self, "values", [])
+        _check_values(values)
         if not 0 <= rank < len(values):
             raise WeightValidationError(f"LocalSerializedTensor has no entry for TP rank {rank}")
         return values[rank]
+
+
+def _check_values(values: object) -> None:
+    if not isinstance(values, list) or not all(isinstance(v, (bytes, str)) for v in values):
+        raise WeightValidationError("LocalSerializedTensor.values is not a list of payloads")
