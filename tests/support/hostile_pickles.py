@@ -476,7 +476,7 @@ BOUNDS: dict[str, bytes] = {
     "shared_tuples_as_a_dict_key": done(
         b"}" + shared_nest(40, empty=b")", close=b"t") + i(1) + b"s"
     ),
-    "deep_tuple_as_a_dict_key": done(b"}" + deep_nest(100_000) + i(1) + b"s"),
+    "deep_tuple_as_a_dict_key": done(b"}" + deep_nest(200_000) + i(1) + b"s"),
     "deep_lists": done(b"(" * 100_000 + b"]" + b"l" * 100_000),
     "memo_index_far_ahead": done(memo_put_at(2**26)),
     "colliding_int_keys": done(

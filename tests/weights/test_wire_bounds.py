@@ -64,7 +64,7 @@ def test_payloads_that_would_stall_are_refused_at_once(payload, fault):
 
 
 def test_deep_tuple_key_does_not_crash_the_process():
-    """Hashing a 100,000-deep tuple (a dict key) overflows the C stack: a segfault, before."""
+    """Hashing a 200,000-deep tuple (a dict key) overflows the C stack: a segfault, before."""
     code = (
         "import base64; from tests.support import hostile_pickles as h\n"
         "from grctl.weights.wire.decode import decode_payload\n"
@@ -98,6 +98,7 @@ def test_memo_index_far_ahead_allocates_nothing():
         ("MAX_OPCODES", 50, h.done(h.lst(*[h.i(n) for n in range(60)])), "opcodes"),
         ("MAX_MEMO", 10, h.done(h.lst(*[h.s(f"n{n}") + b"\x94" for n in range(20)])), "memo"),
         ("MAX_DEPTH", 4, h.done(b"(" * 6 + b"]" + b"l" * 6), "deep"),
+        ("MAX_OPCODES_WITHOUT_A_CALL", 40, h.done(h.lst(*[h.i(n) for n in range(60)])), "GIL"),
     ],
 )
 def test_each_limit_refuses_past_it(monkeypatch, limit, value, payload, fault):
@@ -111,9 +112,23 @@ def test_legitimate_payloads_stay_well_inside_the_limits():
     keep: list = []
     raw = base64.b64decode(encode_bucket(named, keep))
     report = scan.check_stream(raw, unpickler.resolve)
-    assert report.num_opcodes < scan.MAX_OPCODES // 100
+    assert report.num_opcodes < scan.MAX_OPCODES // 50
     assert report.max_depth <= 8
     assert report.max_unfolded < 2 * report.num_opcodes
+    assert report.max_opcodes_without_a_call < scan.MAX_OPCODES_WITHOUT_A_CALL // 100
+
+
+def test_the_c_unpickler_is_never_left_running_long():
+    """A stream that never calls into Python would hold the GIL through the whole C load
+    (80,000 tuples: 0.1 s on a loaded machine, while /health waits): refused, unless calls
+    (find_class here) come often enough to let other threads in."""
+    items = (h.s("w") + h.i(1) + b"\x86") * 80_000
+    assert "GIL" in refusal(h.done(b"](" + items + b"e"), within=5.0)
+    call = h.glob("torch", "Size") + b"0"  # STACK_GLOBAL (find_class), POP
+    chunk = (h.s("w") + h.i(1) + b"\x86") * 1000
+    spaced = h.done(b"](" + (chunk + call) * 80 + b"e")
+    report = scan.check_stream(spaced, unpickler.resolve)
+    assert report.max_opcodes_without_a_call <= 3005  # a chunk, the POP, the next strings
 
 
 def test_unpickler_checks_the_stream_itself():

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
+import gc
 import math
 import pickle
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -25,9 +28,37 @@ LOAD_FORMATS = ("flattened_bucket", "direct", None)
 _ALLOWED_DTYPES = frozenset(DTYPES.values())
 
 
+_gc_lock = threading.Lock()
+_gc_pauses = 0
+_gc_was_enabled = False
+
+
+@contextlib.contextmanager
+def _cyclic_gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection while a payload is decoded. A large one allocates enough
+    objects to start a full collection, which walks the whole server heap holding the GIL
+    (0.3 s and more, when /health must answer in 0.1). A scanned stream builds no cycles, so
+    reference counting frees all of it when decoding ends; other threads' cycles wait for the
+    next collection."""
+    global _gc_pauses, _gc_was_enabled
+    with _gc_lock:
+        if _gc_pauses == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_pauses += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_pauses -= 1
+            if _gc_pauses == 0 and _gc_was_enabled:
+                gc.enable()
+
+
 def deserialize(data: str | bytes) -> object:
     """A payload entry (base64 text or bytes, or a raw pickle) unpickled through the allowlist."""
-    return safe_loads(_pickle_bytes(data))
+    with _cyclic_gc_paused():
+        return safe_loads(_pickle_bytes(data))
 
 
 def _pickle_bytes(data: object) -> bytes:
@@ -146,6 +177,10 @@ def decode_named_tensors(obj: object) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+# What the unpickled objects may raise in decoding: the sender's mistake, a 400, never a 500.
+_PAYLOAD_FAULTS = (RuntimeError, TypeError, ValueError, OverflowError, LookupError, AttributeError)
+
+
 def decode_payload(entry: str | bytes, load_format: str | None) -> list[tuple[str, torch.Tensor]]:
     """One serialized_named_tensors entry -> validated (name, tensor) pairs."""
     if load_format not in LOAD_FORMATS:
@@ -153,14 +188,15 @@ def decode_payload(entry: str | bytes, load_format: str | None) -> list[tuple[st
             f"load_format {describe(load_format)} is not supported; use flattened_bucket, "
             "direct or null"
         )
-    obj = deserialize(entry)
-    try:
-        if load_format == "flattened_bucket":
-            return decode_bucket(obj)
-        return decode_named_tensors(obj)
-    except GrctlError:
-        raise
-    except (RuntimeError, TypeError, ValueError, OverflowError, LookupError, AttributeError) as exc:
-        # Whatever the unpickled objects hold, the sender's mistake is a 400, never a 500.
-        msg = f"tensor payload refused: {type(exc).__name__}: {str(exc)[:300]}"
-        raise WeightValidationError(msg) from None
+    decode = decode_bucket if load_format == "flattened_bucket" else decode_named_tensors
+    with _cyclic_gc_paused():  # until the objects the payload made are gone again
+        try:
+            return decode(deserialize(entry))
+        except GrctlError as exc:
+            error = exc
+        except _PAYLOAD_FAULTS as exc:
+            msg = f"tensor payload refused: {type(exc).__name__}: {str(exc)[:300]}"
+            error = WeightValidationError(msg)
+        # The traceback's frames (the unpickler's among them) hold the payload's objects.
+        error.__traceback__ = error.__context__ = error.__cause__ = None
+    raise error

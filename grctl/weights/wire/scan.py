@@ -11,6 +11,8 @@ nests and how many items it unfolds to. It refuses the stream when:
   next free one;
 - an object nests deeper than MAX_DEPTH, or unfolds to more than UNFOLD_PER_OPCODE items per
   opcode read so far (plus UNFOLD_SLACK): a sender's stream unfolds to about its own length;
+- it runs more than MAX_OPCODES_WITHOUT_A_CALL opcodes without calling into Python, where the
+  C unpickler could let other threads run;
 - it names a global off the allowlist (`resolve`), calls (REDUCE) anything but an allowlisted
   function (OrderedDict only without arguments), makes (NEWOBJ) anything but a wire record, or
   BUILDs anything but a wire record it made (so no allowlisted object can be changed);
@@ -30,11 +32,14 @@ from dataclasses import dataclass
 from grctl.errors import WeightValidationError
 from grctl.weights.wire.records import FlattenedTensorMetadata, LocalSerializedTensor
 
-MAX_OPCODES = 1 << 21  # ~40 opcodes a tensor: about 50,000 tensors in one payload
+MAX_OPCODES = 1 << 20  # 30-45 opcodes a tensor: over 20,000 tensors in one payload
 MAX_MEMO = 1 << 20
 MAX_DEPTH = 32  # a sender's bucket nests 8 deep
 UNFOLD_PER_OPCODE = 8
 UNFOLD_SLACK = 4096
+# The C unpickler holds the GIL from one call into Python (find_class, a rebuild function, a
+# record's __setstate__) to the next; a sender's stream calls one every few dozen opcodes.
+MAX_OPCODES_WITHOUT_A_CALL = 4096
 
 RECORDS = (FlattenedTensorMetadata, LocalSerializedTensor)
 
@@ -85,6 +90,7 @@ class ScanReport:
     num_memo: int
     max_depth: int
     max_unfolded: int
+    max_opcodes_without_a_call: int
 
 
 class _Machine:
@@ -97,6 +103,7 @@ class _Machine:
         self.marks: list[int] = []
         self.memo: list[_Obj] = []
         self.num_opcodes = self.max_depth = self.max_unfolded = 0
+        self.last_call = self.max_run = 0  # the opcode count at the last call into Python
 
     def top(self) -> _Obj:
         if not self.stack or (self.marks and self.marks[-1] == len(self.stack)):
@@ -199,6 +206,20 @@ class _Machine:
         if not isinstance(module, str) or not isinstance(name, str):
             raise _refuse("a global's module and name are not literal strings")
         self.stack.append(_Obj("global", value=self.resolve(module, name)))
+        self.called()  # find_class
+
+    def called(self) -> None:
+        self.last_call = self.num_opcodes
+
+    def check_run(self) -> None:
+        run = self.num_opcodes - self.last_call
+        if run > MAX_OPCODES_WITHOUT_A_CALL:
+            raise _refuse(
+                f"it runs {run} opcodes without calling one of grctl's functions, past "
+                f"{MAX_OPCODES_WITHOUT_A_CALL}: the unpickler would hold the GIL all along"
+            )
+        if run > self.max_run:
+            self.max_run = run
 
     def reduce(self, arg: object) -> None:
         fn, args = self.pop_n(2)
@@ -216,6 +237,8 @@ class _Machine:
             self.stack.append(self.make("dict", [fn, args]))
         elif callable(target):
             self.stack.append(self.make("object", [fn, args]))
+            if not isinstance(target, type):  # a rebuild function, not torch.Size
+                self.called()
         else:
             raise _refuse("REDUCE may call only grctl's rebuild functions, torch.Size, OrderedDict")
 
@@ -271,7 +294,9 @@ _OPS: dict[str, Callable[[_Machine, object], None]] = {
     "APPENDS": _grow("APPENDS", "list", _M.pop_mark),
     "SETITEM": _grow("SETITEM", "dict", _pairs(_pop(2))),
     "SETITEMS": _grow("SETITEMS", "dict", _pairs(_M.pop_mark)),
-    "BUILD": _grow("BUILD", "record", _pop(1)),
+    "BUILD": lambda machine, arg: (
+        machine.grow("BUILD", "record", machine.pop_n(1)) or machine.called()
+    ),
     "GLOBAL": lambda machine, arg: machine.push_global(*arg.partition(" ")[::2]),
     "STACK_GLOBAL": lambda machine, arg: machine.push_global(
         *(o.value if o.kind == "str" else None for o in machine.pop_n(2))
@@ -303,10 +328,15 @@ def check_stream(data: bytes, resolve: Callable[[str, str], object]) -> ScanRepo
             if op is None:
                 raise _refuse(_unknown(opcode.name))
             op(machine, arg)
+            machine.check_run()
     except WeightValidationError:
         raise
     except Exception as exc:  # genops on a malformed stream: truncated, bad opcode, bad text
         raise _refuse(f"not a valid pickle ({type(exc).__name__}: {str(exc)[:200]})") from None
     return ScanReport(
-        machine.num_opcodes, len(machine.memo), machine.max_depth, machine.max_unfolded
+        machine.num_opcodes,
+        len(machine.memo),
+        machine.max_depth,
+        machine.max_unfolded,
+        machine.max_run,
     )
