@@ -246,6 +246,11 @@ def cases(root: Path) -> list[tuple[str, str, object]]:
         c.append(
             ("POST", "/update_weights_from_tensor", tensor_body(base64.b64encode(raw).decode()))
         )
+    # stalls (shared and deep nesting, colliding keys), growth (a memo index far ahead), BUILD
+    # on allowlisted objects, records made without their checks: docs/security.md
+    for name in sorted(hostile_pickles.BOUNDS):
+        entry = base64.b64encode(hostile_pickles.BOUNDS[name]).decode()
+        c.append(("POST", "/update_weights_from_tensor", tensor_body(entry, None)))
     return c
 
 
@@ -300,6 +305,24 @@ def test_oversize_headers_are_refused_and_server_lives(srv, http, baseline):
         assert reply.startswith(b"HTTP/1.1 4") or reply == b"", reply
     assert http.get("/health").status_code == 200
     assert served_greedy(http, [3, 4, 5])["output_ids"] == baseline[1]
+
+
+@pytest.mark.parametrize("timeout", ["1e10", "inf"])
+def test_huge_timeouts_are_never_a_500(http, baseline, timeout):
+    """With a request holding its KV (paused in place), a flush must wait, and a result is
+    not ready: neither may turn a huge timeout into a 500."""
+    body = {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 400}}
+    rid = http.post("/submit", json=body).json()["request_id"]
+    http.post("/pause_generation", json={"mode": "in_place"})
+    try:
+        flush = http.get(f"/flush_cache?timeout={timeout}", timeout=5)
+        assert flush.status_code < 500, flush.text[:300]
+    finally:
+        http.post("/continue_generation")
+    result = http.get(f"/result/{rid}?timeout={timeout}", timeout=60)
+    assert result.status_code < 500, result.text[:300]
+    assert http.get("/health").status_code == 200
+    assert served_sha256(http) == baseline[0]
 
 
 JSONISH = st.recursive(
