@@ -129,7 +129,8 @@ def test_flush_retries_until_the_engine_is_idle(gr):
             gr.flush_cache_until_ok(retries=3, interval=0.01)
     finally:
         threading.Timer(0.2, gr.continue_generation).start()  # it finishes after this
-    assert gr.flush_cache_until_ok(retries=600, interval=0.05).success
+    # the request's 400 tokens run first: over 30 s on a loaded 2-core machine, so up to 100 s
+    assert gr.flush_cache_until_ok(retries=2000, interval=0.05).success
     assert gr.result(rid).meta_info.finish_reason.type == "length"
 
 

@@ -284,8 +284,14 @@ def test_allowlist_misuse_refused(http, name):
     assert_error(resp, 400, "validation_error")
 
 
+def own_segments() -> set[str]:
+    """This process's torch segments (torch names them torch_<pid>_...): the ones its pushes
+    made, not those of other test runs sharing the machine's /dev/shm."""
+    return {p for p in os.listdir("/dev/shm") if p.startswith(f"torch_{os.getpid()}_")}
+
+
 def test_no_shared_memory_left_behind(http, ckpts):
-    before = {p for p in os.listdir("/dev/shm") if p.startswith("torch_")}
+    before = own_segments()
     for _ in range(3):
         keep = []
         entry = encode_bucket(hf_tensors(ckpts["new"])[:6], keep_alive=keep)
@@ -294,5 +300,5 @@ def test_no_shared_memory_left_behind(http, ckpts):
     import gc
 
     gc.collect()
-    after = {p for p in os.listdir("/dev/shm") if p.startswith("torch_")}
+    after = own_segments()
     assert after <= before, after - before
