@@ -34,6 +34,7 @@ MERGED_BODIES = {
     "/get_weights_by_name": weights.GetWeightsBody,
     "/release_memory_occupation": weights.MemoryBody,
     "/resume_memory_occupation": weights.MemoryBody,
+    "/weights_checker": weights.WeightsCheckerBody,
 }
 # One call of every client method, with every optional body key given.
 CALLS = {
