@@ -99,7 +99,7 @@ def _index_of(catalog: Catalog) -> _Index:
 def excluded_nodes(catalog: Catalog, item_ids: tuple) -> np.ndarray:
     """The sorted trie nodes closed by excluding `item_ids` (ids not in the catalog: ignored)."""
     index = _index_of(catalog)
-    rows = index.rows_of(item_ids)
+    rows = np.unique(index.rows_of(item_ids))  # an id sent twice (or as 7 and "7") counts once
     nodes, hits = np.unique(index.node_of_row[rows], return_counts=True)
     closed = nodes[hits == index.items_per_node[nodes]].tolist()
     out, lost = set(closed), {}
