@@ -11,4 +11,6 @@ OUT=${OUT:-$(mktemp -d)}
 export OUT PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
 nvidia-smi --query-gpu=name,uuid,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
 timeout 480 python3 bench/gpu_smoke.py 2>&1 | tee "$OUT/gpu_smoke.log"
+# stochastic vs deterministic beam 64, and beam selection's share of a step at 128 requests
+timeout 120 python3 bench/bench_search.py --device cuda --repeats 5 > "$OUT/bench_search.json"
 echo "done: $(ls "$OUT")"

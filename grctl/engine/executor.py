@@ -80,6 +80,7 @@ class Executor:
                 seq.banned,
                 seq.req.top_logprobs_num if seq.req.return_logprob else 0,
                 self.original_logprob,
+                seq.req.return_logprob,
             )
             blocks.append(Block(seq.beams, i, 1))
         beam_select.step(torch.stack([lp for _, _, lp in started]), blocks)

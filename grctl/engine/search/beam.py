@@ -85,6 +85,7 @@ class Beams:
         banned: torch.Tensor | None = None,  # sorted trie nodes no beam may enter
         top_logprobs: int = 0,
         original_logprob: bool = False,  # report log_softmax(logits) whatever the temperature
+        report_logprobs: bool = True,  # False: nobody reads them, the tempered pass is skipped
     ):
         self.params = params
         self.width = w = params.width
@@ -96,7 +97,9 @@ class Beams:
         self.stop_ids = stop_ids
         self.top_logprobs = top_logprobs
         self.report_temperature = (
-            params.temperature if params.is_stochastic and not original_logprob else 1.0
+            params.temperature
+            if params.is_stochastic and not original_logprob and report_logprobs
+            else 1.0
         )
         # transformers ranks w * max(2, 1 + stop tokens) candidates, so that w survive even
         # when some end early; with nothing that can end early the best w are all that is used.

@@ -33,6 +33,7 @@ from grctl.engine.search.beam import (
 )
 from grctl.engine.search.candidates import Cands, Group, Parents
 from grctl.engine.search.logits_processors import apply_edits
+from grctl.engine.search.sampler import row_logsumexp
 
 
 @dataclass
@@ -48,7 +49,7 @@ def step(logits: torch.Tensor, blocks: list[Block]) -> None:
     """Advance every block's beams by one token; each Beams holds its new state after."""
     dev = logits.device
     logits = logits.float()
-    lse = torch.logsumexp(logits, dim=-1)  # [rows]
+    lse = row_logsumexp(logits)  # [rows]
     par = _parents(blocks, logits.shape[0], dev)
     x = _processed(logits, lse, blocks)
     num_cands = max(b.beams.num_candidates for b in blocks)
@@ -129,7 +130,7 @@ def _reported(logits, lse, cands: Cands, blocks: list[Block]):
     if any(t != 1.0 for t in temps):
         per_row = np.repeat(np.array(temps, np.float32), [b.num_rows for b in blocks])
         scaled = logits / torch.from_numpy(per_row).to(dev)[:, None]
-        lse_t = torch.logsumexp(scaled, dim=-1)
+        lse_t = row_logsumexp(scaled)
     lp = scaled[cands.row, cands.token.clamp(min=0)] - lse_t[cands.row]
     if k == 0:
         return lp, None
