@@ -54,7 +54,8 @@ class EngineConfig:
     prefill_token_budget: int = knob(8192, "Prompt tokens prefilled per step.", "Scheduling", min=1)
     max_kv_bytes: int = knob(
         0,
-        "KV bytes running requests may hold (context + beams); 0: auto (kv-memory-fraction of "
+        "Bytes running requests may hold (context KV, beam tails, a step's [beams, vocab] "
+        "scores); 0: auto (kv-memory-fraction of "
         "free GPU memory at start on CUDA; no limit on CPU).",
         "Scheduling",
         min=0,

@@ -55,10 +55,18 @@ class ContextKV:
         return self.own_nbytes + (0 if self.prefix is None else self.prefix.nbytes)
 
 
+# fp32 [rows, vocab] tensors a step holds per beam row: the logits, their log-softmax, a
+# stochastic draw's noise and the masked scores the selection ranks.
+LOGITS_COPIES = 4
+
+
 def request_kv_bytes(cfg, itemsize: int, prompt_len: int, num_beams: int, max_new: int) -> int:
-    """KV a request holds while it runs: its context plus its beams' tails (cfg: ModelConfig)."""
+    """The memory a request holds while it runs (cfg: ModelConfig): its context and its beams'
+    tails, plus the fp32 logits rows of its beams in a step, which grow with the vocabulary
+    rather than the context."""
     per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
-    return per_token * (prompt_len + num_beams * max(max_new - 1, 1))
+    kv = per_token * (prompt_len + num_beams * max(max_new - 1, 1))
+    return kv + LOGITS_COPIES * num_beams * cfg.vocab_size * 4
 
 
 def kv_bytes_budget(config: EngineConfig, device: torch.device) -> int | None:

@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 MAX_REQUEST_ID_LEN = 256
 MAX_STOP_STRINGS = 32  # SGLang's limit
 MAX_EXCLUDED_ITEMS = 100_000
+# Each beam ranks 1 + len(stop ids) candidates per step: bounded, like the stop strings.
+MAX_STOP_TOKEN_IDS = 64
 
 
 def _is_int(x: object) -> bool:
@@ -57,6 +59,11 @@ def validate_request(
             f"context limit of {max_context_len} tokens; shorten the prompt"
         )
     _check_search(req, vocab, max_beam_width)
+    if len(sp.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise ValidationError(
+            f"stop_token_ids holds {len(sp.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} "
+            "are allowed"
+        )
     bad = next((t for t in sp.stop_token_ids if not _is_int(t) or not 0 <= t < vocab), None)
     if bad is not None:
         raise ValidationError(f"stop_token_ids holds {bad!r}, not a token id in [0, {vocab})")

@@ -113,22 +113,57 @@ class Worker:
             # Cache entries are tagged by write, not by label: a relabel-free update must not
             # reuse KV computed with the old weights.
             cache_tag = f"{label}#{gate.generation}"
-        t0, error = time.perf_counter(), None
+        t0, error, failed = time.perf_counter(), None, ()
+        before = {id(s): progress(s) for s in step}
         try:
             self.executor.run(prefill, decode, label, cache_tag)
         except Exception as exc:
-            log.exception("engine step failed; its requests end with finish_reason abort")
             error = exc
+            failed = self._isolate(prefill, decode, before, label, cache_tag)
+            log.exception(
+                "engine step failed; %d of its %d requests end with finish_reason abort",
+                len(failed),
+                len(step),
+            )
         with gate:
             gate.end_step()
             self._step_ids = set()
             self.stats.record_step(time.perf_counter() - t0, error)
             for seq in step:
                 if seq.status is not Status.FINISHED and (
-                    error is not None or seq.abort_requested or seq.is_done
+                    id(seq) in failed or seq.abort_requested or seq.is_done
                 ):
-                    self.finish(seq, aborted=error is not None or seq.abort_requested)
+                    self.finish(seq, aborted=id(seq) in failed or seq.abort_requested)
         return True
+
+    def _isolate(
+        self,
+        prefill: list[Sequence],
+        decode: list[Sequence],
+        before: dict[int, tuple],
+        label: str,
+        cache_tag: str,
+    ) -> set[int]:
+        """After a failed step, run each of its requests alone, so that only the ones that fail
+        by themselves end (-> their ids). A new request whose prefill went through before the
+        failure decodes alone; one whose beams the failed step advanced cannot run the step
+        again and ends too."""
+        failed = set()
+        for seq, is_new in [(s, True) for s in prefill] + [(s, False) for s in decode]:
+            if progress(seq) == before[id(seq)]:
+                alone = ([seq], []) if is_new else ([], [seq])
+            elif is_new and seq.beams.num_steps == 1:  # started; its first decode never ran
+                if seq.is_done:
+                    continue
+                alone = ([], [seq])
+            else:
+                failed.add(id(seq))
+                continue
+            try:
+                self.executor.run(*alone, label, cache_tag)
+            except Exception:
+                failed.add(id(seq))
+        return failed
 
     # ---- how a request ends (holding the gate) ------------------------------------------
     def abort(self, seq: Sequence) -> None:
@@ -150,3 +185,9 @@ class Worker:
         result = seq.to_result(self.gate.label, aborted)
         self.results.put(result)
         self.stats.record_result(result)
+
+
+def progress(seq: Sequence) -> tuple:
+    """Where a request's search stands: changes whenever a step moves it."""
+    beams = seq.beams
+    return (id(beams), -1 if beams is None else beams.num_steps)

@@ -64,6 +64,7 @@ def run_all(eng: Engine) -> int:
         req(top_p=1.5),
         req(top_k=0),
         req(stop_token_ids=(500,)),
+        req(stop_token_ids=tuple(range(65))),  # each beam ranks 1 + stop ids per step
         req(rid=""),
         req(seed=2**70),
     ],

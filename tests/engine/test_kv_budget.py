@@ -57,3 +57,14 @@ def test_a_request_larger_than_the_budget_is_refused_at_submit(model):
     eng.submit(request(0, prompt_len=30))  # exactly the budget: runs
     while eng.run_step():
         pass
+
+
+def test_the_logits_rows_of_a_step_count_beside_the_kv(model):
+    """A step holds [beams, vocab] fp32 scores per request whatever its context: a request whose
+    KV alone fits the budget but whose scores do not is refused, not admitted to fail later."""
+    cfg = model.config
+    kv_only = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4 * (30 + BEAMS * (NEW - 1))
+    with pytest.raises(ValidationError, match="--max-kv-bytes"):
+        Engine(model, EngineConfig(max_kv_bytes=kv_only)).submit(request(0, prompt_len=30))
+    roomy = kv_only + BEAMS * cfg.vocab_size * 4 * 8
+    Engine(model, EngineConfig(max_kv_bytes=roomy)).submit(request(0, prompt_len=30))
