@@ -4,8 +4,8 @@ The trainer broadcasts as it posts the call, whatever the answer will be. So an 
 model refuses (an unknown name, a shape that does not fit, the weights released, requests in
 flight) still receives the broadcast, into scratch, and then answers the refusal, as SGLang
 does: the trainer's collective completes and the group's sequence stays in step. Only a call
-whose broadcast cannot be known (dtypes, shapes or load_format unreadable, names repeated, no
-such group, more than twice the model's bytes) is refused without receiving. Tensors are
+whose broadcast cannot be known (dtypes, shapes or load_format unreadable, no such group, more
+than twice the model's bytes) is refused without receiving. Tensors are
 received into fresh buffers outside the engine's exclusive section, and the call waits until
 the transfer has completed (polled against GR_DIST_TIMEOUT_S): a trainer that dies or stalls
 mid-broadcast, or never sends, fails the call with the live weights unchanged. Only then does
@@ -45,8 +45,6 @@ def parse_specs(names: list[str], dtypes: list[str], shapes: list[list[int]]) ->
     if not len(names) == len(dtypes) == len(shapes):
         counts = f"{len(names)}, {len(dtypes)} and {len(shapes)}"
         raise ValidationError(f"names, dtypes and shapes differ in length: {counts}")
-    if len(set(names)) != len(names):
-        raise ValidationError("names must not repeat within one update")
     for name, shape in zip(names, shapes, strict=True):
         if any(d < 0 for d in shape):
             raise ValidationError(f"tensor {name!r} has a negative dimension in {shape}")
@@ -150,6 +148,9 @@ def update_from_distributed(
             ) from exc
 
     def plan_then_receive() -> list[apply.Write]:
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):  # the entries' shapes still say what was sent
+            raise ValidationError("names must not repeat within one update")
         writes = apply.plan(model, specs, require_full=False)
         received.update(zip((s.name for s in specs), take_broadcast(), strict=True))
         return writes

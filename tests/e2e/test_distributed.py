@@ -107,7 +107,6 @@ def test_specs_are_validated_before_anything_else():
         (["a"], ["bfloat17"], [[1]], "unknown dtype"),
         (["a"], ["float32"], [[2, -1]], "negative"),
         (["a", "b"], ["float32"], [[1], [1]], "differ in length"),
-        (["a", "a"], ["float32"] * 2, [[1], [1]], "repeat"),
     ]:
         with pytest.raises(ValidationError, match=words):
             parse_specs(names, dtypes, shapes)
@@ -232,9 +231,10 @@ def update_beside_its_broadcast(wb, url: str, body: dict, tensors: list) -> http
 
 
 def test_a_refused_update_still_drains_the_broadcast(urls, ckpts):
-    """As SGLang: an update the model refuses (an unknown name, a shape that does not fit, the
-    weights released) receives the trainer's broadcast into scratch, then answers the refusal,
-    so the trainer never hangs and the group's collective sequence stays in step."""
+    """As SGLang: an update the model refuses (an unknown name, a shape that does not fit, a
+    name sent twice, the weights released) receives the trainer's broadcast into scratch, then
+    answers the refusal, so the trainer never hangs and the group's collective sequence stays in
+    step."""
     url, state = urls[0], load_hf(ckpts["seed2"]).state_dict()
     before = checksums(url)
     q, k = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"
@@ -242,7 +242,7 @@ def test_a_refused_update_still_drains_the_broadcast(urls, ckpts):
     wrong = (q, torch.randn(1, 64))
     with WeightBroadcaster([url], timeout_s=TIMEOUT_S) as wb:
         for load_format in (None, "flattened_bucket"):
-            for named in ([unknown], [(k, state[k]), wrong]):
+            for named in ([unknown], [(k, state[k]), wrong], [(k, state[k]), (k, state[k])]):
                 names = [n for n, _ in named]
                 tensors = [t.contiguous() for _, t in named]
                 body = {"names": names, "dtypes": ["float32"] * len(names),
