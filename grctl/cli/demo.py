@@ -1,10 +1,13 @@
-"""`grctl demo`: the whole weight-sync loop against a real server, in well under a minute.
+"""`grctl demo`: the whole weight-sync loop against a real server, in well under a minute; and
+`grctl demo --rl`, an RL loop that learns through one (grctl/cli/rl/).
 
 Starts `grctl serve` on the built-in model (--allow-weight-update, a free loopback port),
 generates, pushes a perturbed copy of the model by the tensor path, verifies it, restores the
 original by the disk path, verifies again, and prints versions, outputs and timings. Any step
-that fails raises GrctlError (exit 1). torch and the sync are imported inside the functions, so
-that the other commands and --help do without them.
+that fails raises GrctlError (exit 1). With --rl: the RL task's catalog is served instead, the
+loop runs for --steps steps, and GrctlError is raised when a rollout carries another label than
+its step's weights or its logprobs differ from the trainer's. torch, the sync and the loop are
+imported inside the functions, so that the other commands and --help do without them.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -35,9 +38,25 @@ MAX_NEW_TOKENS = 6
 
 def demo(
     device: Annotated[str, typer.Option(help="Device of the demo server.")] = "cpu",
+    rl: Annotated[
+        bool, typer.Option("--rl", help="Run the RL loop instead (docs/rl-integration.md).")
+    ] = False,
+    steps: Annotated[int, typer.Option(min=1, help="--rl: training steps.")] = 20,
+    group: Annotated[int, typer.Option(min=2, help="--rl: samples per user and step.")] = 8,
+    lr: Annotated[
+        Optional[float],
+        typer.Option(min=0.0, help="--rl: Adam's learning rate (default: the trainer's)."),
+    ] = None,
+    plot: Annotated[
+        Path, typer.Option(help="--rl: the reward curve's PNG (written if matplotlib is).")
+    ] = Path("rl_reward.png"),
 ) -> None:
-    """Start a server, generate, push perturbed weights (tensor), restore them (disk), verify."""
-    run_demo(console, device=device)
+    """Start a server, generate, push perturbed weights (tensor), restore them (disk), verify.
+    With --rl: train a policy through it, pushing each step's weights from memory."""
+    if rl:
+        run_rl_demo(console, device=device, steps=steps, group=group, lr=lr, plot=plot)
+    else:
+        run_demo(console, device=device)
 
 
 def free_port() -> int:
@@ -198,3 +217,41 @@ def demo_table(rows: list[tuple]) -> Table:
     for step, version, ids, seconds in rows:
         table.add_row(step, version, str(ids), f"{seconds:.2f}")
     return table
+
+
+def run_rl_demo(
+    console: Console,
+    *,
+    device: str = "cpu",
+    steps: int = 20,
+    group: int = 8,
+    lr: float | None = None,
+    plot: Path | None = Path("rl_reward.png"),
+) -> list:
+    """The RL loop against a server started here with the task's catalog; returns its rows."""
+    from grctl.cli.rl.loop import check, run_loop, summary, write_curve
+    from grctl.cli.rl.task import make_task
+    from grctl.cli.rl.trainer import DEFAULT_LR
+
+    task = make_task()
+    lr = DEFAULT_LR if lr is None else lr
+    with tempfile.TemporaryDirectory(prefix="grctl-rl-") as tmp:
+        root = Path(tmp)
+        catalog = task.write_catalog(root / "catalog.jsonl")
+        with demo_server(device, root / "server.log", catalog) as url:
+            console.print(
+                f"demo server at {url} ({device}): {len(task.items)} items, "
+                f"{task.num_users} users x {group} samples per step"
+            )
+            rows = run_loop(url, task, steps=steps, group=group, lr=lr, console=console)
+    check(rows)
+    s = summary(rows)
+    console.print(
+        f"mean reward, first 5 steps {s['reward_first']:.3f} -> last 5 {s['reward_last']:.3f}; "
+        f"max |log r| {s['max_abs_log_ratio']:.1e}; per step: rollout {s['rollout_s']:.2f} s, "
+        f"train {s['train_s']:.2f} s, push {s['push_s']:.2f} s"
+    )
+    if plot is not None:
+        written = write_curve(rows, plot)
+        console.print(f"reward curve: {written}" if written else "no curve: matplotlib missing")
+    return rows
