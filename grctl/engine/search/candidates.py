@@ -80,16 +80,22 @@ def _collect_group(x, lse, par: Parents, kind: str, g: Group, out: Cands) -> Non
     rows = torch.from_numpy(g.rows).to(dev)
     trie = g.beams[0].trie
     if trie is None:
-        xr = x.index_select(0, rows) - lse.index_select(0, rows)[:, None]  # [r, vocab]
+        # logits [r, vocab], their log-probabilities xr - row_lse: never made whole (ranking
+        # and sampling are shift-invariant per row), and the step's own buffer when the group
+        # is every row in order (the usual step)
+        whole = g.rows.size == x.shape[0] and bool((g.rows == np.arange(x.shape[0])).all())
+        xr = x if whole else x.index_select(0, rows)
+        row_lse = (lse if whole else lse.index_select(0, rows))[:, None]
         tokens = nodes = ends = None
     else:
-        xr, tokens, nodes, ends = _children(x, lse, par, rows, g, trie)
+        xr, tokens, nodes, ends = _children(x, lse, par, rows, g, trie)  # log-probabilities
+        row_lse = 0.0
     p_score, p_key, p_phi = par.score[rows], par.key[rows], par.phi[rows]
     width = max(b.width for b in g.beams)
     if kind == "det":
         kk = min(max(b.num_candidates for b in g.beams), xr.shape[1])
         lp, col = xr.topk(kk, dim=-1)
-        score = p_score[:, None] + lp
+        score = p_score[:, None] + (lp - row_lse)
         key, phi = score, torch.zeros_like(score)
     else:
         lpt = _sampling(xr, g, dev)
@@ -102,7 +108,7 @@ def _collect_group(x, lse, par: Parents, kind: str, g: Group, out: Cands) -> Non
             gum = sampler.gumbel(p_phi[:, None] + lpt, u)
             top, col = gum.topk(min(width, xr.shape[1]), dim=-1)
             key = sampler.conditioned(top, gum.max(-1).values, p_key)
-        score = p_score[:, None] + xr.gather(1, col)
+        score = p_score[:, None] + (xr.gather(1, col) - row_lse)
         phi = p_phi[:, None] + lpt.gather(1, col)
     tok = col if tokens is None else tokens.gather(1, col)
     node = torch.zeros_like(col) if nodes is None else nodes.gather(1, col)
