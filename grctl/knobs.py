@@ -18,7 +18,7 @@ from typing import Any
 from grctl.errors import ValidationError
 
 # `grctl serve --help` shows its options in these panels, in this order.
-PANELS = ("Model", "HTTP", "Scheduling", "Prefill cache", "Weight updates", "Catalog")
+PANELS = ("Model", "Logprobs", "HTTP", "Scheduling", "Prefill cache", "Weight updates", "Catalog")
 ENV_PREFIX = "GR_"
 
 

@@ -36,7 +36,7 @@ class EngineConfig:
     return_original_logprob: bool = knob(
         False,
         "Report log_softmax(logits) as logprobs at any temperature (else of logits / T).",
-        "Model",
+        "Logprobs",
         old_env=("SGLANG_RETURN_ORIGINAL_LOGPROB",),  # what SGLang's users already set
     )
     max_running_requests: int = knob(64, "Requests decoded together.", "Scheduling", min=1)
