@@ -92,7 +92,7 @@ class PrefillCache:
         with self._lock:
             dropped = len(self._entries)
             self._entries.clear()
-            self.num_tokens = 0
+            self.num_tokens = self.num_bytes = 0
             return dropped
 
     def clear(self) -> int:

@@ -136,3 +136,20 @@ def test_an_update_without_flush_drops_old_entries_at_once(model):
     updater.run(lambda: writes, lambda _: norm, weight_version=None, flush_cache=False)
     st = eng.status()["prefill_cache"]
     assert (st["entries"], st["tokens"], st["inserts"], st["misses"]) == (0, 0, 2, 2)
+
+
+def test_drop_entries_frees_their_bytes():
+    """Every weight write drops the entries (drop_entries): their bytes go with them, or after a
+    few updates without flush the cache holds nothing, reports its bound, and evicts every
+    insert."""
+    cache = PrefillCache(True, max_entries=10, max_tokens=1000, max_bytes=400)
+    cache.put((1,), entry(10))
+    cache.put((2,), entry(10))
+    assert cache.drop_entries() == 2
+    st = cache.stats()
+    assert (st["entries"], st["tokens"], st["bytes"]) == (0, 0, 0)
+    cache.put((3,), entry(10))
+    cache.put((4,), entry(10))
+    st = cache.stats()
+    assert (st["entries"], st["bytes"], st["evictions"]) == (2, 352, 0)
+    assert cache.get((3,), "v1") is not None
