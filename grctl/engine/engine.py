@@ -19,7 +19,7 @@ from grctl.engine.gate import PAUSE_MODES, Gate
 from grctl.engine.kv_cache import kv_bytes_budget, request_kv_bytes
 from grctl.engine.memory import MemorySaver
 from grctl.engine.model_runner import ModelRunner
-from grctl.engine.prefill_cache import PrefillCache
+from grctl.engine.prefix_cache import PrefillCache
 from grctl.engine.profiler import StepProfiler
 from grctl.engine.request import GenerateRequest, GenerateResult, new_request_id
 from grctl.engine.results import ResultStore

@@ -12,7 +12,7 @@ import torch
 from grctl.engine.decode_batch import DecodeItem
 from grctl.engine.kv_cache import BeamKV, ContextKV
 from grctl.engine.model_runner import ModelRunner
-from grctl.engine.prefill_cache import Entry, PrefillCache
+from grctl.engine.prefix_cache import Entry, PrefillCache
 from grctl.engine.search import beam_select
 from grctl.engine.search.beam import Beams
 from grctl.engine.search.beam_select import Block

@@ -34,7 +34,7 @@ from grctl.model.device import bind_thread
 if TYPE_CHECKING:
     from grctl.engine.gate import Gate
     from grctl.engine.model_runner import ModelRunner
-    from grctl.engine.prefill_cache import PrefillCache
+    from grctl.engine.prefix_cache import PrefillCache
 
 log = logging.getLogger("grctl.engine")
 

@@ -8,7 +8,7 @@ import torch
 from grctl.engine.config import EngineConfig
 from grctl.engine.engine import Engine
 from grctl.engine.kv_cache import ContextKV
-from grctl.engine.prefill_cache import Entry, PrefillCache
+from grctl.engine.prefix_cache import Entry, PrefillCache
 from grctl.engine.request import GenerateRequest, SamplingParams
 from grctl.weights import apply
 from grctl.weights.updater import WeightUpdater
