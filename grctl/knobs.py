@@ -5,7 +5,8 @@
 Everything else is derived from that one declaration: the `grctl serve` flag is the field name
 with dashes (`--max-beam-width`), its environment variable is GR_<FLAG> (`GR_MAX_BEAM_WIDTH`),
 and the same bounds and choices are checked when the config is built, from flags or from Python.
-A bool that defaults to True also gets its off switch (`--no-cuda-graph`).
+A bool that defaults to True also gets its off switch (`--no-cuda-graph`), or the off flags it
+names.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 from grctl.errors import ValidationError
 
 # `grctl serve --help` shows its options in these panels, in this order.
-PANELS = ("Model", "Logprobs", "HTTP", "Scheduling", "Prefill cache", "Weight updates", "Catalog")
+PANELS = ("Model", "Logprobs", "HTTP", "Scheduling", "Prefix cache", "Weight updates", "Catalog")
 ENV_PREFIX = "GR_"
 
 
@@ -30,6 +31,9 @@ class Knob:
     choices: tuple[str, ...] | None = None
     aliases: tuple[str, ...] = ()  # more flag names that set it (e.g. another project's name)
     old_env: tuple[str, ...] = ()  # environment names read after GR_<FLAG>, kept working
+    # A bool defaulting to True: hidden flags that turn it off, instead of --no-<FLAG> (which
+    # would not fit its panel at 80 columns)
+    off_flags: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         assert self.panel in PANELS, self.panel

@@ -38,7 +38,7 @@ def serve_parameters() -> list[inspect.Parameter]:
         annotation: Any = Optional[base] if f.default is None else base
         decls = [flag]
         if annotation is bool and f.default is True:
-            decls = [f"{flag}/--no-{flag[2:]}"]
+            decls = [flag] if k.off_flags else [f"{flag}/--no-{flag[2:]}"]
         opt = typer.Option(
             *decls,
             envvar=env_names(f.name, k),
@@ -58,10 +58,21 @@ def serve_parameters() -> list[inspect.Parameter]:
             )
         )
         params += alias_parameters(f.name, k.aliases, base)
+        if k.off_flags:
+            off = typer.Option(*k.off_flags, hidden=True)
+            params.append(
+                inspect.Parameter(
+                    f"{OFF_PREFIX}{f.name}",
+                    inspect.Parameter.KEYWORD_ONLY,
+                    default=None,
+                    annotation=Annotated[Optional[bool], off],
+                )
+            )
     return params
 
 
 ALIAS_PREFIX = "alias__"
+OFF_PREFIX = "off__"
 
 
 def alias_parameters(name: str, aliases: tuple[str, ...], base: Any) -> list[inspect.Parameter]:
@@ -84,6 +95,9 @@ def serve(**values: Any) -> None:
         value = values.pop(key)
         if value is not None:  # an alias given on the command line sets its knob
             values[key.split("__", 2)[2]] = value
+    for key in [k for k in values if k.startswith(OFF_PREFIX)]:
+        if values.pop(key):  # an off flag given on the command line
+            values[key.removeprefix(OFF_PREFIX)] = False
     run_server(ServeConfig.from_flags(values))
 
 

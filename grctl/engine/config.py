@@ -1,4 +1,4 @@
-"""EngineConfig: the engine's knobs (model, scheduling, prefill cache), built once, passed whole.
+"""EngineConfig: the engine's knobs (model, scheduling, prefix cache), built once, passed whole.
 
 `grctl serve` composes it into ServeConfig (grctl/config.py) and derives a flag and a GR_<FLAG>
 variable from each field (grctl/knobs.py); offline users and tests build it directly.
@@ -70,13 +70,20 @@ class EngineConfig:
     max_finished_results: int = knob(
         10_000, "Finished results kept until fetched.", "Scheduling", min=1
     )
+    # On by default, as SGLang's radix cache: an entry is only ever used under the weights it
+    # was computed with, and every weight write drops them all.
     enable_prefill_cache: bool = knob(
-        False, "Reuse KV of repeated prompt prefixes.", "Prefill cache"
+        True,
+        "Reuse the KV of cached prompt prefixes across requests (on; off: --disable-radix-cache).",
+        "Prefix cache",
+        off_flags=("--disable-radix-cache", "--no-enable-prefill-cache"),  # SGLang's, ours
     )
-    prefill_cache_max_entries: int = knob(64, "Cache size, in prompts.", "Prefill cache", min=1)
-    prefill_cache_max_tokens: int = knob(262144, "Cache size, in tokens.", "Prefill cache", min=1)
+    prefill_cache_max_entries: int = knob(
+        4096, "Cache size, in prompts whose end is cached.", "Prefix cache", min=1
+    )
+    prefill_cache_max_tokens: int = knob(262144, "Cache size, in tokens.", "Prefix cache", min=1)
     prefill_cache_max_bytes: int = knob(
-        1 << 31, "Cache size, in bytes of KV and log-probabilities.", "Prefill cache", min=1
+        1 << 31, "Cache size, in bytes of KV and log-probabilities.", "Prefix cache", min=1
     )
     weight_version: str = knob(
         "default", "Version reported until the first update.", "Weight updates"

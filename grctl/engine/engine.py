@@ -19,7 +19,7 @@ from grctl.engine.gate import PAUSE_MODES, Gate
 from grctl.engine.kv_cache import kv_bytes_budget, request_kv_bytes
 from grctl.engine.memory import MemorySaver
 from grctl.engine.model_runner import ModelRunner
-from grctl.engine.prefix_cache import PrefillCache
+from grctl.engine.prefix_cache import PrefixCache, weights_tag
 from grctl.engine.profiler import StepProfiler
 from grctl.engine.request import GenerateRequest, GenerateResult, new_request_id
 from grctl.engine.results import ResultStore
@@ -77,7 +77,7 @@ class Engine:
         self.config = config
         self.max_context_len = context_limit(config.max_context_len, model.config)
         self.gate = Gate(config.weight_version, allow_mixed=config.allow_partial_updates)
-        self.cache = PrefillCache(
+        self.cache = PrefixCache(
             config.enable_prefill_cache,
             config.prefill_cache_max_entries,
             config.prefill_cache_max_tokens,
@@ -90,6 +90,7 @@ class Engine:
             config.prefill_token_budget,
             kv_bytes_budget(config, self.device),
             self.kv_bytes_of,
+            self.prefill_tokens_of,
         )
         self.results = ResultStore(config.max_finished_results)
         self.stats = EngineStats()
@@ -199,6 +200,13 @@ class Engine:
         return request_kv_bytes(
             self.model.config, itemsize, len(req.input_ids), sp.width, sp.max_new_tokens
         )
+
+    def prefill_tokens_of(self, seq: Sequence) -> int:
+        """The prompt tokens a prefill would compute now (the scheduler holds the gate)."""
+        if not self.executor.is_cacheable(seq):
+            return seq.num_prompt_tokens
+        tag = weights_tag(self.gate.label, self.gate.generation)
+        return seq.num_prompt_tokens - self.cache.peek(seq.prompt_key, tag)
 
     def poll(self, request_id: str) -> GenerateResult | None:
         with self.gate:
@@ -334,7 +342,8 @@ class Engine:
         """The weights side wrote the weights, inside `exclusive()`. From now on steps record
         `label` (None: keep the current one); `mix` describes the weights' labels while they
         differ (None: one label); `torn` the tensors a failed copy left torn (None: none). The
-        prefill cache's entries go at once: none of them was computed with these weights."""
+        prefix cache's entries go at once, with their bytes: none was computed with these
+        weights."""
         with self.gate:
             self.gate.weights_written(label, mix, torn)
             self.cache.drop_entries()
@@ -349,7 +358,7 @@ class Engine:
             return num_aborted
 
     def flush_cache(self, timeout: float = 0.0) -> tuple[bool, int]:
-        """Clear the prefill cache if no request holds KV or is computing (waits up to timeout)."""
+        """Clear the prefix cache if no request holds KV or is computing (waits up to timeout)."""
         with self.gate:
             idle = self.gate.wait_for(
                 lambda: not self.gate.is_computing and not self.scheduler.running, timeout

@@ -1,7 +1,9 @@
 """Executor: runs one scheduled step on the model, and moves each request's beams forward.
 
-Prefill goes through the prefill cache (an exact prompt under the same weight version skips the
-model), then the first token(s) come from the prefill's log-probabilities. Decode runs every
+Prefill goes through the prefix cache: a prompt whose first tokens were prefilled before under the
+same weights computes only the rest (an exact repeat skips the model), and prompts of one batch
+that share a prefix compute it once; then the first token(s) come from the prefill's
+log-probabilities. Decode runs every
 running request's beams in one batch, advances each request's beams and reorders its beam KV.
 """
 
@@ -12,7 +14,7 @@ import torch
 from grctl.engine.decode_batch import DecodeItem
 from grctl.engine.kv_cache import BeamKV, ContextKV
 from grctl.engine.model_runner import ModelRunner
-from grctl.engine.prefix_cache import Entry, PrefillCache
+from grctl.engine.prefix_cache import Match, PrefixCache, join_kv
 from grctl.engine.search import beam_select
 from grctl.engine.search.beam import Beams
 from grctl.engine.search.beam_select import Block
@@ -20,10 +22,14 @@ from grctl.engine.sequence import Sequence
 
 
 class Executor:
-    def __init__(self, runner: ModelRunner, cache: PrefillCache, original_logprob: bool = False):
+    def __init__(self, runner: ModelRunner, cache: PrefixCache, original_logprob: bool = False):
         self.runner = runner
         self.cache = cache
         self.original_logprob = original_logprob  # report log_softmax(logits) at any temperature
+        cfg = runner.config
+        self.max_cached_len = (
+            cfg.max_position_embeddings if cfg.rope.rope_type == "dynamic" else None
+        )
         self.device = runner.device
         self.num_prefill_batches = 0
         self.num_prefill_tokens = 0  # computed, cache hits excluded
@@ -41,7 +47,7 @@ class Executor:
     def run(
         self, prefill: list[Sequence], decode: list[Sequence], version: str, cache_tag: str = ""
     ) -> None:
-        """One step. `version` labels the tokens; `cache_tag` keys the prefill cache."""
+        """One step. `version` labels the tokens; `cache_tag` keys the prefix cache."""
         if prefill:
             self._prefill(prefill, version, cache_tag or version)
         decode = decode + [s for s in prefill if not s.is_done]
@@ -49,22 +55,44 @@ class Executor:
             self._decode(decode, version)
 
     def _prefill(self, seqs: list[Sequence], version: str, cache_tag: str) -> None:
-        started, misses = [], []
+        """Prompts sharing a prefix with an earlier one of the batch wait for a second pass,
+        run against the KV the first pass cached."""
+        keys = [s.prompt_key if self.is_cacheable(s) else () for s in seqs]
+        waits = self.cache.waits(keys, cache_tag)
+        for wave in (False, True):
+            todo = [s for s, w in zip(seqs, waits, strict=True) if w is wave]
+            if todo:
+                self._start(self._prefill_wave(todo, cache_tag), version)
+
+    def _prefill_wave(
+        self, seqs: list[Sequence], cache_tag: str
+    ) -> list[tuple[Sequence, ContextKV, torch.Tensor]]:
+        started, todo = [], []
         for seq in seqs:
-            entry = self.cache.get(seq.prompt_key, cache_tag)
-            if entry is None:
-                misses.append(seq)
+            match = (
+                self.cache.lookup(seq.prompt_key, cache_tag) if self.is_cacheable(seq) else Match()
+            )
+            seq.cached_tokens = match.num_tokens
+            if match.logprobs is not None:  # an exact repeat: no model call
+                started.append((seq, join_kv(match.parts), match.logprobs))
             else:
-                seq.cached_tokens = entry.num_tokens
-                started.append((seq, entry.ctx, entry.logprobs))
-        if misses:
-            ctxs, logprobs = self.runner.prefill([s.prompt for s in misses])
+                todo.append((seq, match))
+        if todo:
+            ctxs, logprobs = self.runner.prefill(
+                [seq.prompt[m.num_tokens :] for seq, m in todo], [m.parts for _, m in todo]
+            )
             self.num_prefill_batches += 1
-            self.num_prefill_tokens += sum(s.num_prompt_tokens for s in misses)
-            for seq, ctx, lp in zip(misses, ctxs, logprobs, strict=True):
-                self.cache.put(seq.prompt_key, Entry(cache_tag, ctx, lp))
+            self.num_prefill_tokens += sum(seq.num_prompt_tokens - m.num_tokens for seq, m in todo)
+            for (seq, _), ctx, lp in zip(todo, ctxs, logprobs, strict=True):
+                if self.is_cacheable(seq):
+                    self.cache.insert(seq.prompt_key, ctx, lp, cache_tag)
                 started.append((seq, ctx, lp))
-        self._start(started, version)
+        return started
+
+    def is_cacheable(self, seq: Sequence) -> bool:
+        """Dynamic RoPE computes a prompt longer than max_position_embeddings with frequencies
+        of its own length: such a prompt's KV is neither reused nor kept."""
+        return self.max_cached_len is None or seq.num_prompt_tokens <= self.max_cached_len
 
     def _start(self, started: list[tuple[Sequence, ContextKV, torch.Tensor]], version: str) -> None:
         """The first token(s) of every started request, from its prefill row, in one step."""

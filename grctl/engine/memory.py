@@ -1,7 +1,7 @@
 """MemorySaver: SGLang's release/resume_memory_occupation for a colocated trainer (verl).
 
 Tags, as SGLang names them (none = all three):
-  kv_cache    the prefill cache's context KV (requests hold none: release needs an idle engine)
+  kv_cache    the prefix cache's KV (requests hold none: release needs an idle engine)
   weights     every parameter is copied to host memory (pinned on CUDA; a CPU model keeps its
               own tensors) and its data replaced by an empty tensor; resume copies it back into
               the SAME Parameter objects (so tied weights stay tied and every holder of a
@@ -34,7 +34,7 @@ from grctl.model.device import bind_thread
 if TYPE_CHECKING:
     from grctl.engine.gate import Gate
     from grctl.engine.model_runner import ModelRunner
-    from grctl.engine.prefix_cache import PrefillCache
+    from grctl.engine.prefix_cache import PrefixCache
 
 log = logging.getLogger("grctl.engine")
 
@@ -75,7 +75,7 @@ class MemorySaver:
         gate: Gate,
         model: torch.nn.Module,
         runner: ModelRunner,
-        cache: PrefillCache,
+        cache: PrefixCache,
         device: torch.device,
         *,
         weight_ops: threading.Lock,

@@ -1,7 +1,9 @@
 """ModelRunner: the engine's two forward passes over our Qwen3, tensors only.
 
 Prefill packs the prompts of a batch into one token stream, so every projection and MLP matmul
-runs once over all of them; attention runs per prompt. Only the last token's logits are needed,
+runs once over all of them; attention runs per prompt. A prompt whose first tokens are cached
+(the prefix cache) computes only the rest, at their positions, attending to the cached KV too.
+Only the last token's logits are needed,
 so the last layer computes k and v for every token but q, attention and the MLP for the last
 token alone. Decode runs one token for every beam of every request in one batch of rows; its
 attention reads each request's own context where it lies (decode_batch.py).
@@ -44,38 +46,44 @@ class ModelRunner:
         return cos.to(self.dtype), sin.to(self.dtype)
 
     @torch.inference_mode()
-    def prefill(self, prompts: list[torch.Tensor]) -> tuple[list[ContextKV], torch.Tensor]:
-        """prompts: 1-D token tensors. Returns each prompt's ContextKV and last-token
-        log-probabilities [len(prompts), vocab] in float32."""
+    def prefill(
+        self, prompts: list[torch.Tensor], prefixes: list[list[ContextKV]] | None = None
+    ) -> tuple[list[ContextKV], torch.Tensor]:
+        """prompts: 1-D token tensors; prefixes: per prompt, the cached KV of the tokens before
+        it, in parts (none: it starts at position 0). Returns each prompt's ContextKV, its
+        prefix included, and last-token log-probabilities [len(prompts), vocab] in float32."""
         model, dev = self.model, self.device
+        prefixes = prefixes or [[] for _ in prompts]
+        starts = [sum(part.length for part in parts) for parts in prefixes]
         lens = [int(p.numel()) for p in prompts]
         ends = torch.tensor(lens).cumsum(0).tolist()
         bounds = [(e - n, e) for e, n in zip(ends, lens, strict=True)]
         ids = torch.cat(prompts).to(dev, non_blocking=True)
-        positions = torch.cat([torch.arange(n) for n in lens]).to(dev, non_blocking=True)
+        spans = list(zip(starts, lens, strict=True))
+        positions = torch.cat([torch.arange(p, p + n) for p, n in spans]).to(dev, non_blocking=True)
         last = torch.tensor([e - 1 for _, e in bounds], device=dev)
         # a prompt's tokens are computed in one call of its length (dynamic RoPE reads it)
-        seq_lens = torch.cat([torch.full((n,), n) for n in lens]).to(dev, non_blocking=True)
+        seq_lens = torch.cat([torch.full((n,), p + n) for p, n in spans]).to(dev, non_blocking=True)
         cos, sin = self._rope(positions, seq_lens)
         ks: list[list[torch.Tensor]] = [[] for _ in prompts]
         vs: list[list[torch.Tensor]] = [[] for _ in prompts]
         h = model.embed_tokens(ids)  # [tokens, hidden]
-        for layer in model.layers[:-1]:
+        for i, layer in enumerate(model.layers[:-1]):
             q, k, v = layer.pre_attention(h, cos, sin)  # [tokens, H or KV, D]
             outs = []
             for r, (s, e) in enumerate(bounds):
-                kr, vr = k[s:e].transpose(0, 1).contiguous(), v[s:e].transpose(0, 1).contiguous()
+                kr, vr = _after(prefixes[r], i, k[s:e], v[s:e])
                 ks[r].append(kr)
                 vs[r].append(vr)
                 outs.append(prefill_attention(q[s:e], kr, vr, causal=True))
             h = layer.post_attention(h, torch.cat(outs))
-        layer = model.layers[-1]
+        i, layer = len(model.layers) - 1, model.layers[-1]
         x = layer.input_layernorm(h)
         k, v = layer.self_attn.project_kv(x, cos, sin)
         q = layer.self_attn.project_q(x[last], cos[last], sin[last])  # [prompts, H, D]
         outs = []
         for r, (s, e) in enumerate(bounds):
-            kr, vr = k[s:e].transpose(0, 1).contiguous(), v[s:e].transpose(0, 1).contiguous()
+            kr, vr = _after(prefixes[r], i, k[s:e], v[s:e])
             ks[r].append(kr)
             vs[r].append(vr)
             outs.append(prefill_attention(q[r : r + 1], kr, vr, causal=False))
@@ -108,6 +116,20 @@ class ModelRunner:
             logits = self.model.logits(h)
         batch.finish()
         return logits
+
+
+def _after(
+    prefix: list[ContextKV], layer: int, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v [S, KV, D] of a prompt's new tokens -> [KV, P + S, D], the cached prefix's first,
+    in storage of their own (the request's context, and what the prefix cache may keep)."""
+    k, v = k.transpose(0, 1), v.transpose(0, 1)
+    if not prefix:
+        return k.contiguous(), v.contiguous()
+    return (
+        torch.cat([*(part.k[layer] for part in prefix), k], dim=1),
+        torch.cat([*(part.v[layer] for part in prefix), v], dim=1),
+    )
 
 
 def _into(out: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:

@@ -68,7 +68,7 @@ class GenerateResult:
     weight_version: str  # the version the request finished on
     weight_versions: list[str]  # every version its tokens were computed with, in order
     output_token_logprobs: list[float] | None = None  # the top sequence's, when asked
-    cached_tokens: int = 0  # prompt tokens served from the prefill cache
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
     latency_s: float = 0.0
     item_results: list[ItemResult] | None = None  # with a catalog: one per beam, in beam order
     catalog_version: int | None = None  # the catalog version the request was served with

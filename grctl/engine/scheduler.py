@@ -2,10 +2,11 @@
 moves requests between them.
 
 Policy only, no tensors. Each step admits waiting requests in arrival order while the running set
-has room, their prompts fit the prefill token budget (the first always goes, so a prompt longer
-than the budget still runs alone) and the KV they would hold fits the KV byte budget beside what
-the running requests hold (with nothing running, the first goes: the engine refuses at submit a
-request that could never fit), then every running request decodes one token per beam.
+has room, the prompt tokens they compute (those not in the prefix cache) fit the prefill token
+budget (the first always goes, so a prompt longer than the budget still runs alone) and the KV
+they would hold fits the KV byte budget beside what the running requests hold (with nothing
+running, the first goes: the engine refuses at submit a request that could never fit), then
+every running request decodes one token per beam.
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ class Scheduler:
         prefill_token_budget: int,
         kv_bytes_budget: int | None = None,
         kv_bytes_of: Callable[[GenerateRequest], int] = lambda req: 0,
+        prefill_tokens_of: Callable[[Sequence], int] = lambda seq: seq.num_prompt_tokens,
     ):
         self.max_running = max_running
         self.prefill_token_budget = prefill_token_budget
         self.kv_bytes_budget = kv_bytes_budget  # None: no limit
         self.kv_bytes_of = kv_bytes_of
+        self.prefill_tokens_of = prefill_tokens_of  # the prompt tokens not in the prefix cache
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._by_id: dict[str, Sequence] = {}  # every sequence waiting or running
@@ -73,14 +76,15 @@ class Scheduler:
             kv_free = self.kv_bytes_budget - self.kv_bytes_running()
         while self.waiting and len(self.running) < self.max_running:
             seq = self.waiting[0]
-            if prefill and seq.num_prompt_tokens > budget:
+            cost = self.prefill_tokens_of(seq)
+            if prefill and cost > budget:
                 break
             if kv_free is not None:
                 need = self.kv_bytes_of(seq.req)
                 if self.running and need > kv_free:
                     break
                 kv_free -= need
-            budget -= seq.num_prompt_tokens
+            budget -= cost
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)

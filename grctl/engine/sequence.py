@@ -38,7 +38,7 @@ class Sequence:
         self.banned = banned
         self.excluded = excluded
         self.req = req
-        self.prompt_key = tuple(req.input_ids)  # the prefill cache's key
+        self.prompt_key = tuple(req.input_ids)  # the prefix cache's key
         self.prompt = torch.tensor(self.prompt_key, dtype=torch.int64)
         self.stop_ids = stop_ids
         self.arrival = time.monotonic()

@@ -15,6 +15,7 @@ import torch
 
 from grctl.engine.executor import Executor
 from grctl.engine.gate import Gate
+from grctl.engine.prefix_cache import weights_tag
 from grctl.engine.profiler import StepProfiler
 from grctl.engine.results import ResultStore
 from grctl.engine.scheduler import Scheduler
@@ -110,9 +111,7 @@ class Worker:
             gate.begin_step()
             self._step_ids = {s.request_id for s in step}
             label = gate.label
-            # Cache entries are tagged by write, not by label: a relabel-free update must not
-            # reuse KV computed with the old weights.
-            cache_tag = f"{label}#{gate.generation}"
+            cache_tag = weights_tag(label, gate.generation)
         t0, error, failed = time.perf_counter(), None, ()
         before = {id(s): progress(s) for s in step}
         try:

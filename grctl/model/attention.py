@@ -29,18 +29,26 @@ def prefill_attention(
 ) -> torch.Tensor:
     """q [S_q, H, D]; k, v [KV, S, D] -> [S_q, H * D].
 
-    causal=True: S_q == S and row i sees keys 0..i. causal=False: every query sees every key
+    causal=True: the queries are the last S_q of the S tokens (all of them, or those after a
+    cached prefix), row i sees keys 0..S - S_q + i. causal=False: every query sees every key
     (the prompt's last token alone, in the last layer).
     """
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, S_q, D]
     kh, vh = k.unsqueeze(0), v.unsqueeze(0)  # [1, KV, S, D]
     groups = q.shape[1] // k.shape[0]
+    mask = None
+    if causal and q.shape[0] != k.shape[1]:  # SDPA's is_causal aligns the first rows, not last
+        mask = torch.ones(q.shape[0], k.shape[1], dtype=torch.bool, device=q.device)
+        mask = mask.tril(k.shape[1] - q.shape[0])
+        causal = False
     if _HAS_GQA:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, enable_gqa=groups > 1)
+        out = F.scaled_dot_product_attention(
+            qh, kh, vh, attn_mask=mask, is_causal=causal, enable_gqa=groups > 1
+        )
     else:
         kh = kh.repeat_interleave(groups, dim=1)
         vh = vh.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal)
     return out[0].transpose(0, 1).flatten(1)
 
 

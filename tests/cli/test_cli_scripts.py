@@ -37,13 +37,14 @@ def one_json(out: subprocess.CompletedProcess) -> dict:
 
 @pytest.fixture(scope="module")
 def servers(tiny_checkpoint):
-    """A guarded server that takes updates, and one whose weight routes are off."""
+    """A guarded server that takes updates, and one whose weight routes and prefix cache are
+    off (SGLang's --disable-radix-cache)."""
     with ExitStack() as stack:
         ckpt = str(tiny_checkpoint)
         (guarded,) = start_servers(
             stack, 1, "--model-path", ckpt, "--allow-weight-update", "--api-key", KEY
         )
-        (plain,) = start_servers(stack, 1, "--model-path", ckpt)
+        (plain,) = start_servers(stack, 1, "--model-path", ckpt, "--disable-radix-cache")
         yield guarded, plain
 
 
