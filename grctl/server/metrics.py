@@ -100,7 +100,7 @@ class Metrics:
         return "\n".join(lines) + "\n"
 
 
-# The status numbers that only grow (a prefill-cache flush resets its own, which Prometheus reads
+# The status numbers that only grow (a prefix-cache flush resets its own, which Prometheus reads
 # as a counter reset); /metrics exposes them as `<name>_total` counters, every other as a gauge.
 COUNTER_SERIES = frozenset(
     [
@@ -116,7 +116,10 @@ COUNTER_SERIES = frozenset(
                 "decode_rows",
             )
         ),
-        *(f"gr_prefill_cache_{k}" for k in ("hits", "misses", "inserts", "evictions")),
+        *(
+            f"gr_prefill_cache_{k}"  # the prefix cache, under the name its /status section has
+            for k in ("hits", "misses", "hit_tokens", "inserts", "evictions")
+        ),
         *(
             f"gr_requests_{k}"
             for k in (

@@ -91,6 +91,16 @@ def test_env_names_and_old_aliases(captured, env, field, want):
     assert getattr(cfg.engine if field in ENGINE_FIELDS else cfg, field) == want
 
 
+@pytest.mark.parametrize("flag", ["--disable-radix-cache", "--no-enable-prefill-cache"])
+def test_prefix_cache_is_on_unless_switched_off(captured, flag):
+    """On by default, as SGLang's radix cache; its off switches are SGLang's flag and ours."""
+    for args, want in ((["serve"], True), (["serve", flag], False)):
+        captured.clear()
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 0, result.output
+        assert captured[0].engine.enable_prefill_cache is want
+
+
 def test_flags_and_env_build_the_config(captured):
     env = {"GR_PORT": "9123", "GR_HTTP_API_KEY": "k", "GR_ALLOW_WEIGHT_UPDATE": "1"}
     args = ["serve", "--max-http-submit-many", "7", "--weight-version", "3", "--log-requests"]
