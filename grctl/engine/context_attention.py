@@ -72,15 +72,16 @@ def plan(
     ctxs: list[ContextKV], bounds: list[tuple[int, int]], device: torch.device
 ) -> list[list[Unit]]:
     """Units by depth: each context's parts (empty ones skipped), a part shared by several
-    contexts once, with all of their rows. `bounds`: each context's rows, ascending."""
-    levels: list[dict[int, tuple[ContextKV, list[tuple[int, int]]]]] = []
+    contexts (the same tensors) once, with all of their rows. `bounds`: each context's rows,
+    ascending."""
+    levels: list[dict[tuple, tuple[ContextKV, list[tuple[int, int]]]]] = []
     for ctx, bound in zip(ctxs, bounds, strict=True):
         parts = [p for p in ctx.parts if p.own_length]
         assert parts, "a context holds at least one token"
         for depth, part in enumerate(parts):
             if depth == len(levels):
                 levels.append({})
-            levels[depth].setdefault(id(part), (part, []))[1].append(bound)
+            levels[depth].setdefault(part.storage_key, (part, []))[1].append(bound)
     return [
         [Unit(part, *row_set(ranges, device)) for part, ranges in level.values()]
         for level in levels

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 
 from grctl.engine.decode_batch import DecodeItem
-from grctl.engine.kv_cache import BeamKV, ContextKV
+from grctl.engine.kv_cache import BeamKV, ContextKV, chained
 from grctl.engine.model_runner import ModelRunner
-from grctl.engine.prefix_cache import Match, PrefixCache, join_kv
+from grctl.engine.prefix_cache import Match, PrefixCache
 from grctl.engine.search import beam_select
 from grctl.engine.search.beam import Beams
 from grctl.engine.search.beam_select import Block
@@ -74,7 +74,7 @@ class Executor:
             )
             seq.cached_tokens = match.num_tokens
             if match.logprobs is not None:  # an exact repeat: no model call
-                started.append((seq, join_kv(match.parts), match.logprobs))
+                started.append((seq, chained(match.parts), match.logprobs))
             else:
                 todo.append((seq, match))
         if todo:

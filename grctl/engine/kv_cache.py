@@ -54,6 +54,22 @@ class ContextKV:
         """Bytes of the whole context, prefix included (what a request reads)."""
         return self.own_nbytes + (0 if self.prefix is None else self.prefix.nbytes)
 
+    @property
+    def storage_key(self) -> tuple:
+        """Equal for two ContextKV over the same tensors (the same tokens' KV): the prefix
+        cache wraps its nodes' KV anew for each request that continues them."""
+        k, v = self.k[0], self.v[0]
+        return k.data_ptr(), v.data_ptr(), tuple(k.shape), k.stride()
+
+
+def chained(parts: list[ContextKV]) -> ContextKV | None:
+    """Consecutive parts (each one's own tokens) as one chain, the last part last; nothing is
+    copied. None for no parts."""
+    ctx = None
+    for part in parts:
+        ctx = part if ctx is None and part.prefix is None else ContextKV(part.k, part.v, ctx)
+    return ctx
+
 
 # fp32 [rows, vocab] tensors a step holds per beam row: the logits, their log-softmax, a
 # stochastic draw's noise and the masked scores the selection ranks.

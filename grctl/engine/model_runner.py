@@ -15,7 +15,7 @@ import torch
 
 from grctl.engine.context_attention import RaggedContext
 from grctl.engine.decode_batch import DecodeBatch, DecodeItem
-from grctl.engine.kv_cache import ContextKV
+from grctl.engine.kv_cache import ContextKV, chained
 from grctl.model.attention import prefill_attention
 from grctl.model.device import bind_thread
 from grctl.model.qwen3 import Qwen3ForCausalLM
@@ -50,11 +50,12 @@ class ModelRunner:
         self, prompts: list[torch.Tensor], prefixes: list[list[ContextKV]] | None = None
     ) -> tuple[list[ContextKV], torch.Tensor]:
         """prompts: 1-D token tensors; prefixes: per prompt, the cached KV of the tokens before
-        it, in parts (none: it starts at position 0). Returns each prompt's ContextKV, its
-        prefix included, and last-token log-probabilities [len(prompts), vocab] in float32."""
+        it, in parts (none: it starts at position 0). Returns each prompt's ContextKV (its own
+        tokens' KV, continuing its prefix's parts by reference: nothing of them is copied) and
+        last-token log-probabilities [len(prompts), vocab] in float32."""
         model, dev = self.model, self.device
         prefixes = prefixes or [[] for _ in prompts]
-        starts = [sum(part.length for part in parts) for parts in prefixes]
+        starts = [sum(part.own_length for part in parts) for parts in prefixes]
         lens = [int(p.numel()) for p in prompts]
         ends = torch.tensor(lens).cumsum(0).tolist()
         bounds = [(e - n, e) for e, n in zip(ends, lens, strict=True)]
@@ -72,10 +73,11 @@ class ModelRunner:
             q, k, v = layer.pre_attention(h, cos, sin)  # [tokens, H or KV, D]
             outs = []
             for r, (s, e) in enumerate(bounds):
-                kr, vr = _after(prefixes[r], i, k[s:e], v[s:e])
+                kr, vr = k[s:e].transpose(0, 1).contiguous(), v[s:e].transpose(0, 1).contiguous()
                 ks[r].append(kr)
                 vs[r].append(vr)
-                outs.append(prefill_attention(q[s:e], kr, vr, causal=True))
+                keys, values = _after(prefixes[r], i, kr, vr)
+                outs.append(prefill_attention(q[s:e], keys, values, causal=True))
             h = layer.post_attention(h, torch.cat(outs))
         i, layer = len(model.layers) - 1, model.layers[-1]
         x = layer.input_layernorm(h)
@@ -83,13 +85,17 @@ class ModelRunner:
         q = layer.self_attn.project_q(x[last], cos[last], sin[last])  # [prompts, H, D]
         outs = []
         for r, (s, e) in enumerate(bounds):
-            kr, vr = _after(prefixes[r], i, k[s:e], v[s:e])
+            kr, vr = k[s:e].transpose(0, 1).contiguous(), v[s:e].transpose(0, 1).contiguous()
             ks[r].append(kr)
             vs[r].append(vr)
-            outs.append(prefill_attention(q[r : r + 1], kr, vr, causal=False))
+            keys, values = _after(prefixes[r], i, kr, vr)
+            outs.append(prefill_attention(q[r : r + 1], keys, values, causal=False))
         h = layer.post_attention(h[last], torch.cat(outs))
         logprobs = torch.log_softmax(model.logits(h), dim=-1)
-        ctxs = [ContextKV(tuple(kr), tuple(vr)) for kr, vr in zip(ks, vs, strict=True)]
+        ctxs = [
+            ContextKV(tuple(kr), tuple(vr), chained(parts))
+            for kr, vr, parts in zip(ks, vs, prefixes, strict=True)
+        ]
         return ctxs, logprobs
 
     @torch.inference_mode()
@@ -121,11 +127,10 @@ class ModelRunner:
 def _after(
     prefix: list[ContextKV], layer: int, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """k, v [S, KV, D] of a prompt's new tokens -> [KV, P + S, D], the cached prefix's first,
-    in storage of their own (the request's context, and what the prefix cache may keep)."""
-    k, v = k.transpose(0, 1), v.transpose(0, 1)
+    """k, v [KV, S, D] of a prompt's new tokens -> the keys its prefill attends to, [KV, P + S,
+    D]: the cached prefix's first (a temporary of this layer; the context keeps the parts)."""
     if not prefix:
-        return k.contiguous(), v.contiguous()
+        return k, v
     return (
         torch.cat([*(part.k[layer] for part in prefix), k], dim=1),
         torch.cat([*(part.v[layer] for part in prefix), v], dim=1),

@@ -12,7 +12,10 @@ Weight versions: the tree holds one tag (the weights' label and write generation
 insert under another tag drops every node first, so no entry of other weights is ever used, and
 every weight write drops them all at once (`drop_entries`) with the bytes they held. Eviction
 takes least recently used leaves first until prompts, tokens and bytes fit their bounds. Tensors
-are shared by reference with running requests: context KV is never written after prefill.
+are shared by reference with running requests: context KV is never written after prefill. A
+request continuing cached nodes holds them as its context's prefix chain (kv_cache.ContextKV),
+so its prefill copies none of their KV, and decode reads a node once for every request of the
+step that continues it.
 """
 
 from __future__ import annotations
@@ -58,14 +61,27 @@ def slice_kv(kv: ContextKV, start: int, end: int | None = None, copy: bool = Fal
 
 
 def join_kv(parts: Sequence[ContextKV]) -> ContextKV:
-    """One ContextKV of consecutive parts (the only part itself, uncopied)."""
-    if len(parts) == 1:
+    """One ContextKV of consecutive parts' own tokens, copied (the only part itself, uncopied,
+    when it continues nothing)."""
+    if len(parts) == 1 and parts[0].prefix is None:
         return parts[0]
     layers = range(len(parts[0].k))
     return ContextKV(
         tuple(torch.cat([p.k[i] for p in parts], dim=1) for i in layers),
         tuple(torch.cat([p.v[i] for p in parts], dim=1) for i in layers),
     )
+
+
+def _tokens_from(ctx: ContextKV, start: int) -> ContextKV:
+    """The KV of tokens [start, end) of a context's chain, in storage of its own: the context's
+    own tensors by reference when they are exactly those tokens, else a copy."""
+    own_start = ctx.length - ctx.own_length
+    own = ContextKV(ctx.k, ctx.v)
+    if start == own_start and _owns_storage(own):
+        return own
+    if start > own_start:
+        return slice_kv(own, start - own_start, copy=True)
+    return slice_kv(join_kv(ctx.parts), start, copy=True)
 
 
 class _Node:
@@ -221,7 +237,7 @@ class PrefixCache:
             node = path[-1][0] if path else self._root
             done = sum(n for _, n in path)
             if done < len(prompt):
-                kv = ctx if done == 0 and _owns_storage(ctx) else slice_kv(ctx, done, copy=True)
+                kv = _tokens_from(ctx, done)
                 leaf = _Node(prompt[done:], kv, node)
                 node.children[prompt[done]] = leaf
                 self.num_tokens += len(leaf.tokens)

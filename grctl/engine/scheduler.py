@@ -119,6 +119,7 @@ class Scheduler:
         # The worker drops a finished request's KV without the lock (Executor._decode): read
         # each reference once, so a release between a check and the read is no AttributeError.
         kv = [(s.ctx, s.beam_kv) for s in list(self.running)]
+        parts = {p.storage_key: p for c, _ in kv if c is not None for p in c.parts}
         return {
             "running": len(self.running),
             "waiting": len(self.waiting),
@@ -127,7 +128,8 @@ class Scheduler:
             "running_beams": sum(s.num_beams for s in self.running),
             "kv_bytes_budget": self.kv_bytes_budget,  # null: no limit
             "kv_bytes_admitted": self.kv_bytes_running(),
-            # the context KV once per request, the decoded tail once per beam
-            "context_kv_bytes": sum(c.nbytes for c, _ in kv if c is not None),
+            # the context KV once per request (a prefix shared by several once), the decoded
+            # tail once per beam
+            "context_kv_bytes": sum(p.own_nbytes for p in parts.values()),
             "beam_kv_bytes": sum(b.nbytes for _, b in kv if b is not None),
         }

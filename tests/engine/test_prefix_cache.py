@@ -256,10 +256,45 @@ def test_suffix_prefill_against_a_cached_prefix_matches_transformers(kind):
             want = torch.log_softmax(out.logits[0, -1].float(), -1)
             assert (lp - want).abs().max() < 1e-4, kind
             hf_k = out.past_key_values.layers[0].keys[0]  # [KV, len, D]
-            assert c.length == len(p) and (c.k[0] - hf_k).abs().max() < 1e-4
+            assert c.length == len(p) and (join_kv(c.parts).k[0] - hf_k).abs().max() < 1e-4
+            assert c.prefix is None or c.prefix.k[0].data_ptr() == ctx.k[0].data_ptr()
     if kind == "dynamic":
         eng = Engine(ours, EngineConfig(enable_prefill_cache=True, max_context_len=256))
         past = [tuple(prompts[0].tolist()) + (1,) * 5, tuple(prompts[0].tolist()) + (2,) * 5]
         results = run(eng, past, n=1)
         assert [r.cached_tokens for r in results] == [0, 0]
         assert [r.output_ids for r in results] == [hf_generate(hf, p, 3) for p in past]
+
+
+def test_requests_continuing_a_cached_prefix_read_it_in_place(pair, monkeypatch):
+    """Requests whose prompts continue a cached prompt hold its node's KV by reference as their
+    context's prefix (their prefill copies none of it), and a decode step reads it once per
+    layer for all of them."""
+    from grctl.model import attention
+
+    eng = Engine(pair[1], EngineConfig(enable_prefill_cache=True))
+    run(eng, [SHARED + (1, 2)])
+    for s in SUFFIXES:
+        eng.submit(GenerateRequest(SHARED + s, SamplingParams(max_new_tokens=3, n=2)))
+    eng.run_step()  # the four prefills (against the cached prefix) and their first token
+    seqs = list(eng.scheduler.running)
+    assert [s.cached_tokens for s in seqs] == [len(SHARED)] * 4
+    node = seqs[0].ctx.prefix
+    layers = pair[1].config.num_layers
+    for s in seqs:
+        assert s.ctx.prefix.length == len(SHARED) and s.ctx.own_length == len(SUFFIXES[0])
+        for layer in range(layers):
+            assert s.ctx.prefix.k[layer].data_ptr() == node.k[layer].data_ptr()
+    reads = []
+    real = attention.attention_with_lse
+
+    def spy(q, k, v):
+        reads.append(k.data_ptr())
+        return real(q, k, v)
+
+    monkeypatch.setattr(attention, "attention_with_lse", spy)
+    eng.run_step()  # a decode step of the four
+    assert [reads.count(node.k[layer].data_ptr()) for layer in range(layers)] == [1] * layers
+    assert len(reads) == 5 * layers  # the shared prefix, then each request's own part
+    while eng.run_step():
+        pass
