@@ -15,13 +15,13 @@ shape in bf16 on CUDA), saved as a checkpoint, with a catalog of 3-token items. 
 - one_at_a_time: one /generate after another;
 - transformers: generate(num_beams, prefix_allowed_tokens_fn over the same catalog), left-padded
   batches of --hf-batch prompts (it prefills each prompt once per beam);
-and the FLOP floor: the batch's prefill and decode FLOPs (every layer's matmuls on every prompt
-token, causal attention, the head on each prompt's last token; then per decoded row every
-matmul and the head, attention over its context) at the matmul rate this process measures
-around the runs. Prints one JSON object: seconds, prompts/s, beams/s, p50/p99 latency (the
-engine's e2e_latency of each request; the client's wall for one at a time), the floods' ratios
-to one at a time (target: at most 1) and to the floor (target: at most 1.2), and how many top
-beams agree across the ways.
+and the FLOP floor: the batch's prefill and decode FLOPs (bench/flops.py: every matmul the
+engine must run on every prompt token, causal attention, the head on each prompt's last token;
+then per decoded row every matmul and the head, attention over its context) at the matmul rate
+this process measures around the runs. Prints one JSON object: seconds, prompts/s, beams/s,
+p50/p99 latency (the engine's e2e_latency of each request; the client's wall for one at a
+time), the floods' ratios to one at a time (target: at most 1) and to the floor (target: at
+most 1.2), and how many top beams agree across the ways.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.bench_catalog import write_catalog  # noqa: E402
 from bench.bench_generate import PRESETS, build  # noqa: E402
+from bench.flops import prefill_flops, request_flops  # noqa: E402
 from grctl.model import dtypes  # noqa: E402
 from grctl.model.config import ModelConfig  # noqa: E402
 from tests.support.serverproc import running_server  # noqa: E402
@@ -66,18 +67,11 @@ def matmul_rate(cfg: ModelConfig, device: str, dtype: torch.dtype, repeats: int 
 
 
 def floor_flops(cfg: ModelConfig, lens: list[int], beam: int, new_tokens: int) -> dict:
-    h, hd = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
-    kv = cfg.num_kv_heads * cfg.head_dim
-    per_token = 2 * (h * (hd + 2 * kv) + hd * h + 3 * h * cfg.intermediate_size)  # one layer
-    head = 2 * h * cfg.vocab_size
-    layers = cfg.num_layers
-    prefill = sum(layers * (per_token * n + 2 * n * n * hd) + head for n in lens)
-    decode = sum(
-        beam * (layers * (per_token + 4 * (n + s) * hd) + head)
-        for n in lens
-        for s in range(1, new_tokens)
-    )
-    return {"prefill": prefill, "decode": decode}
+    """The batch's FLOPs at least (bench/flops.py): each prompt's prefill, then its decode
+    steps."""
+    prefill = sum(prefill_flops(cfg, n) for n in lens)
+    whole = sum(request_flops(cfg, n, beam, new_tokens) for n in lens)
+    return {"prefill": prefill, "decode": whole - prefill}
 
 
 def percentiles(xs: list[float]) -> dict:
@@ -178,17 +172,22 @@ def main() -> None:
             http.post("/generate", json={"input_ids": prompts[0][:16], "sampling_params": sp})
             replies, seconds, latency = {}, {}, {}
 
+            # the prefix cache is on (the default); emptied before each way, so no way reuses
+            # another's prompts (a trainer's next rollout has new ones)
+            http.post("/flush_cache")
             t0 = time.perf_counter()
             batch = http.post("/generate", json={"input_ids": prompts, "sampling_params": sp})
             seconds["flood_batch"] = time.perf_counter() - t0
             replies["flood_batch"] = batch.json()
 
+            http.post("/flush_cache")
             t0 = time.perf_counter()
             body = {"requests": [{"input_ids": p, "sampling_params": sp} for p in prompts]}
             rids = http.post("/submit_many", json=body).json()["request_ids"]
             replies["flood_submit_many"] = [http.get(f"/result/{r}").json() for r in rids]
             seconds["flood_submit_many"] = time.perf_counter() - t0
 
+            http.post("/flush_cache")
             one, walls = [], []
             for p in prompts:
                 t1 = time.perf_counter()
@@ -223,6 +222,8 @@ def main() -> None:
         }
         if name in latency:
             row.update(percentiles(latency[name]))
+        if name in replies:
+            row["cached_tokens"] = sum(r["meta_info"]["cached_tokens"] for r in replies[name])
         report[name] = row
     for name in ("flood_batch", "flood_submit_many"):
         report[name]["vs_one_at_a_time"] = round(seconds[name] / seconds["one_at_a_time"], 3)
