@@ -40,23 +40,23 @@ def prompts_sharing(num: int, length: int, shared: int, vocab: int) -> list[tupl
     return [tuple(head + t) for t in tails.tolist()]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--prompt-len", type=int, default=2048)
-    ap.add_argument("--shared-len", type=int, default=1792)
-    ap.add_argument("--beam", type=int, default=8)
-    ap.add_argument("--new-tokens", type=int, default=3)
-    ap.add_argument("--repeats", type=int, default=2)
-    args = ap.parse_args()
-    preset = PRESETS[args.preset]
-    shape = preset["shape"]
-    _, model = build(shape, dtypes.SERVED_DTYPES[preset["dtype"]], preset["device"])
-    prompts = prompts_sharing(args.prompts, args.prompt_len, args.shared_len, shape["vocab_size"])
-    sp = SamplingParams(max_new_tokens=args.new_tokens, n=args.beam)
-    reqs = [GenerateRequest(p, sp) for p in prompts]
-    common = dict(max_running_requests=max(64, args.prompts), max_context_len=args.prompt_len + 64)
+def measure(
+    preset: str = "cpu",
+    prompts: int = 16,
+    prompt_len: int = 2048,
+    shared_len: int = 1792,
+    beam: int = 8,
+    new_tokens: int = 3,
+    repeats: int = 2,
+) -> dict:
+    """The whole comparison (main's, and bench/gpu_smoke.py's prefix_cache section)."""
+    spec = PRESETS[preset]
+    shape = spec["shape"]
+    _, model = build(shape, dtypes.SERVED_DTYPES[spec["dtype"]], spec["device"])
+    texts = prompts_sharing(prompts, prompt_len, shared_len, shape["vocab_size"])
+    sp = SamplingParams(max_new_tokens=new_tokens, n=beam)
+    reqs = [GenerateRequest(p, sp) for p in texts]
+    common = dict(max_running_requests=max(64, prompts), max_context_len=prompt_len + 64)
     cached = Engine(model, EngineConfig(enable_prefill_cache=True, **common))
     plain = Engine(model, EngineConfig(enable_prefill_cache=False, **common))
     for eng in (cached, plain):
@@ -67,25 +67,26 @@ def main() -> None:
         return cached.generate_many(reqs)
 
     times, outs = interleaved({"cached": with_cache, "uncached": lambda: plain.generate_many(reqs)},
-                              args.repeats)  # fmt: skip
+                              repeats)  # fmt: skip
     for eng in (cached, plain):
         eng.stop()
     best = {name: min(t["wall"]) for name, t in times.items()}
     cpu = {name: min(t["cpu"]) for name, t in times.items()}
-    runs = args.repeats + 1  # the warm-up runs too
-    out = {
-        "preset": args.preset,
-        "prompts": args.prompts,
-        "prompt_len": args.prompt_len,
-        "shared_len": args.shared_len,
-        "beam": args.beam,
-        "new_tokens": args.new_tokens,
+    runs = repeats + 1  # the warm-up runs too
+    ratio = best["cached"] / best["uncached"]
+    return {
+        "preset": preset,
+        "prompts": prompts,
+        "prompt_len": prompt_len,
+        "shared_len": shared_len,
+        "beam": beam,
+        "new_tokens": new_tokens,
         "cached_s": round(best["cached"], 3),
         "uncached_s": round(best["uncached"], 3),
-        "ratio": round(best["cached"] / best["uncached"], 3),
+        "ratio": round(ratio, 3),
         "ratio_cpu_time": round(cpu["cached"] / cpu["uncached"], 3),
         "target": TARGET,
-        "met": best["cached"] / best["uncached"] <= TARGET,
+        "met": ratio <= TARGET,
         "prompt_tokens_computed_per_run": {
             "cached": cached.status()["scheduler"]["prefill_tokens"] // runs,
             "uncached": plain.status()["scheduler"]["prefill_tokens"] // runs,
@@ -93,7 +94,24 @@ def main() -> None:
         "cached_tokens": sorted({r.cached_tokens for r in outs["cached"]}),
         "same_beams": [[b.output_ids for b in r.beams] for r in outs["cached"]]
         == [[b.output_ids for b in r.beams] for r in outs["uncached"]],
+        "ratios": [
+            f"{prompts} prompts sharing {shared_len} of {prompt_len} tokens, cached / uncached: "
+            f"{ratio:.3f} (target <= {TARGET}; uncached {best['uncached']:.3f} s)"
+        ],
     }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=2048)
+    ap.add_argument("--shared-len", type=int, default=1792)
+    ap.add_argument("--beam", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=2)
+    a = ap.parse_args()
+    out = measure(a.preset, a.prompts, a.prompt_len, a.shared_len, a.beam, a.new_tokens, a.repeats)
     print(json.dumps(out, indent=1))
 
 

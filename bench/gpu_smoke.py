@@ -18,6 +18,8 @@ Sections, each timed, each failure recorded without stopping the others:
 - disk: the 0.6B checkpoint loaded by /update_weights_from_disk's path from the page cache;
 - decode_mix: issue 21's two mixed decode batches as one step (Qwen3-0.6B shape, bf16, through
   CUDA graphs) against their requests alone and by groups (bench/bench_decode_mix.py);
+- prefix_cache: 16 prompts sharing 1,792 of 2,048 tokens (Qwen3-0.6B shape, bf16), with the
+  prefix cache against without it, same beams (bench/bench_prefix_cache.py; target 0.3x);
 - memory: release/resume_memory_occupation on the 0.6B shape (bench/bench_memory.py): device
   memory before, released and resumed, times against a plain copy of the weights to pinned host
   memory and back, graphs captured again, beam outputs equal after the resume.
@@ -42,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.bench_decode_mix import gpu_part as decode_mix_part  # noqa: E402
 from bench.bench_memory import memory_part  # noqa: E402
+from bench.bench_prefix_cache import measure as prefix_cache_measure  # noqa: E402
 from bench.gpu_smoke_parts import (  # noqa: E402
     SHAPES,
     disk_part,
@@ -67,6 +70,12 @@ def tests_part(dry_run: bool, timeout: float) -> dict:
         "tail": lines[-15:],
         "seconds": round(time.monotonic() - t0, 1),
     }
+
+
+def prefix_cache_part(dry_run: bool) -> dict:
+    if dry_run:  # the CPU preset at tiny sizes: the script end to end
+        return prefix_cache_measure("cpu", 4, 64, 48, beam=2, repeats=1)
+    return prefix_cache_measure("gpu")
 
 
 def main() -> int:
@@ -95,6 +104,7 @@ def main() -> int:
         ("tests", lambda: tests_part(args.dry_run, min(150.0, deadline - time.monotonic()))),
         ("graphs", lambda: graphs_part(device)),
         ("decode_mix", lambda: decode_mix_part(device, args.dry_run)),
+        ("prefix_cache", lambda: prefix_cache_part(args.dry_run)),
         *[
             (f"generate_{s}", lambda s=s: generate_part(device, SHAPES[s], args.dry_run))
             for s in shapes
