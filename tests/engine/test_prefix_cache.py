@@ -298,3 +298,20 @@ def test_requests_continuing_a_cached_prefix_read_it_in_place(pair, monkeypatch)
     assert len(reads) == 5 * layers  # the shared prefix, then each request's own part
     while eng.run_step():
         pass
+
+
+@pytest.mark.gpu
+def test_cuda_shared_prefix_equals_the_uncached_engine():
+    """On CUDA, through captured decode graphs: requests continuing a cached prefix give the
+    uncached engine's beams and scores."""
+    ours = hf_and_ours(seed=5, device="cuda")[1]
+    prompts = [SHARED + s for s in SUFFIXES]
+    cached = Engine(ours, EngineConfig(device="cuda", enable_prefill_cache=True))
+    plain = Engine(ours, EngineConfig(device="cuda", enable_prefill_cache=False))
+    run(cached, prompts[:1])
+    got, want = run(cached, prompts), run(plain, prompts)
+    assert [r.cached_tokens for r in got] == [len(prompts[0])] + [len(SHARED)] * 3
+    assert [beams(r) for r in got] == [beams(r) for r in want]
+    for g, w in zip(got, want, strict=True):
+        for a, b in zip(g.beams, w.beams, strict=True):
+            assert a.sequence_score == pytest.approx(b.sequence_score, abs=1e-3)
