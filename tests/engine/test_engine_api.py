@@ -253,8 +253,8 @@ def test_context_kv_is_shared_by_beams(model):
     cfg = model.config
     eng = make(model)
     prompt = list(range(100))
-    for n in (1, 8):
-        eng.submit(req(ids=prompt, max_new_tokens=4, n=n))
+    for first, n in ((0, 1), (1, 8)):  # distinct prompts: the prefix cache shares nothing
+        eng.submit(req(ids=[first, *prompt[1:]], max_new_tokens=4, n=n))
     eng.run_step()
     st = eng.status()["scheduler"]
     per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4  # fp32 bytes
