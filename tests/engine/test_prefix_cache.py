@@ -259,7 +259,7 @@ def test_suffix_prefill_against_a_cached_prefix_matches_transformers(kind):
             assert c.length == len(p) and (join_kv(c.parts).k[0] - hf_k).abs().max() < 1e-4
             assert c.prefix is None or c.prefix.k[0].data_ptr() == ctx.k[0].data_ptr()
     if kind == "dynamic":
-        eng = Engine(ours, EngineConfig(enable_prefill_cache=True, max_context_len=256))
+        eng = Engine(ours, EngineConfig(enable_prefill_cache=True, max_context_len=96))
         past = [tuple(prompts[0].tolist()) + (1,) * 5, tuple(prompts[0].tolist()) + (2,) * 5]
         results = run(eng, past, n=1)
         assert [r.cached_tokens for r in results] == [0, 0]
