@@ -41,11 +41,11 @@ def fail_on_culprit(runner, stage: str) -> None:
     """The runner's `stage` raises whenever the culprit's prompt is among its inputs."""
     real = getattr(runner, stage)
 
-    def faulty(batch):
+    def faulty(batch, *rest):  # prefill's rest: the prompts' cached prefixes
         lengths = [len(p) for p in batch] if stage == "prefill" else [i.ctx.length for i in batch]
         if CULPRIT_LEN in lengths:
             raise RuntimeError("out of memory for this request")
-        return real(batch)
+        return real(batch, *rest)
 
     setattr(runner, stage, faulty)
 
