@@ -77,6 +77,7 @@ def reply(out) -> dict:
     return json.loads(out.stdout)["servers"][0]["reply"]
 
 
+@pytest.mark.slow
 def test_status_reload_rollback_json_and_typed_client(tmp_path):
     v1 = write_catalog(tmp_path / "v1.jsonl", 1, 400)
     v2 = write_catalog(tmp_path / "v2.jsonl", 2, 50, codes=8, id_prefix="b")

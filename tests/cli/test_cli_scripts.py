@@ -83,6 +83,7 @@ def test_status_json_and_compact_view(servers):
     assert f"{plain.url}: serving" in out.stdout and "prefill cache  off" in out.stdout
 
 
+@pytest.mark.slow
 def test_wrong_or_missing_key_is_a_json_error(servers):
     guarded, _ = servers
     out = grctl("pause", "--json", "--url", guarded.url, "--api-key", "wrong")
@@ -105,6 +106,7 @@ def test_wrong_or_missing_key_is_a_json_error(servers):
         assert grctl("resume", "--url", guarded.url, env=env).returncode == 0
 
 
+@pytest.mark.slow
 def test_push_summary_json_and_failures(servers, tiny_checkpoint):
     guarded, plain = servers
     key = ("--api-key", KEY)
@@ -227,6 +229,7 @@ def test_shm_full_names_the_fixes():
         time.sleep(0.2)
 
 
+@pytest.mark.slow
 def test_model_export_then_generate_equals_transformers(tmp_path):
     """README's offline commands: `grctl model export DIR` writes an HF checkpoint that
     transformers loads, and `grctl generate` on it (and on the built-in model it came from)

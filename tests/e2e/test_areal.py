@@ -19,7 +19,7 @@ import torch.distributed as dist
 from tests.support.reference import hf_generate
 from tests.support.serverproc import free_port
 from tests.support.trainer_side import broadcast_bucket, hf_state, join_group, post
-from tests.support.weight_helpers import checkpoint_sha256, served_sha256
+from tests.support.weight_helpers import checkpoint_sha256, served_sums
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -51,11 +51,6 @@ def ckpts(checkpoint) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def srv(start_server, ckpts):
     return start_server("--allow-weight-update", "--model-path", str(ckpts["base"]))
-
-
-def served(url: str) -> dict[str, str]:
-    with httpx.Client(base_url=url, timeout=60) as c:
-        return served_sha256(c)
 
 
 def restore(url: str, path: Path) -> None:
@@ -107,7 +102,7 @@ def test_disk_update_sequence(srv, ckpts):
     for _ in range(2):
         assert post(url, "/update_weights_from_disk", body).status_code == 200
     assert post(url, "/continue_generation", {}).status_code == 200
-    assert served(url) == checkpoint_sha256(new)
+    assert served_sums(url) == checkpoint_sha256(new)
     assert generated(url) == hf_generate(new, PROMPT)
     assert httpx.get(url + "/get_weight_version").json()["weight_version"] == version
 
@@ -146,7 +141,7 @@ def test_distributed_update_sequence(srv, ckpts):
     finally:
         post(url, "/destroy_weights_update_group", {"group_name": "update_weight_group_0"})
         dist.destroy_process_group(pg)
-    assert served(url) == checkpoint_sha256(new)
+    assert served_sums(url) == checkpoint_sha256(new)
     assert generated(url) == hf_generate(new, PROMPT)
 
 

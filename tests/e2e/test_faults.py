@@ -578,6 +578,7 @@ def server_errors(seen: dict) -> list[str]:
     return [k for k in seen["errors"] if k[:1] == "5" and not k.startswith("503 ")]
 
 
+@pytest.mark.slow
 def test_sigterm_during_update(big):
     """abort_all_requests without a pause: requests run until the update starts, then queue."""
     seen, update, code, exit_s, log = sigterm_during_update(big, pause_mode=None)
@@ -589,6 +590,7 @@ def test_sigterm_during_update(big):
     assert seen["ok"] >= 1 and not server_errors(seen), seen
 
 
+@pytest.mark.slow
 def test_sigterm_during_update_while_paused_in_place(big):
     """Frozen requests cannot finish while paused: the shutdown signal aborts them (an abort
     answer, not a cut connection), so the exit does not wait out the graceful timeout."""

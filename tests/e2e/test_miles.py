@@ -25,7 +25,7 @@ from tests.support.trainer_side import (
     post,
     tensor_entry,
 )
-from tests.support.weight_helpers import checkpoint_sha256, served_sha256
+from tests.support.weight_helpers import checkpoint_sha256, served_sums
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -83,11 +83,6 @@ def miles_checksums(body: dict) -> dict[str, str]:
     return merged
 
 
-def served(url: str) -> dict[str, str]:
-    with httpx.Client(base_url=url, timeout=60) as c:
-        return served_sha256(c)
-
-
 def test_external_engine_start_passes_the_field_check(srv, ckpts):
     """_init_external (L222-244): health, the flush loop, then GET /get_server_info, each field
     compared with == to what _compute_server_args (L696-819) computes for one GPU engine at
@@ -142,7 +137,7 @@ def test_check_weight_update_equal_with_a_skip_list(srv, ckpts):
     assert post(url, "/update_weights_from_tensor", body).json()["success"] is True
     assert check_weights(url, "compare", skip).status_code == 200
     assert check_weights(url, "compare").status_code == 200  # the skipped tensor was not reset
-    assert served(url) == checkpoint_sha256(base)
+    assert served_sums(url) == checkpoint_sha256(base)
     assert greedy(url) == hf_generate(base, PROMPT)
     # compare skips what it is told to: one tensor of another checkpoint differs.
     assert check_weights(url, "snapshot").status_code == 200
@@ -201,7 +196,7 @@ def test_tensor_sync_sequence(srv, ckpts):
     continued.raise_for_status()
     continued.json()
     assert httpx.get(url + "/model_info").json()["weight_version"] == "7"
-    assert served(url) == checkpoint_sha256(new)
+    assert served_sums(url) == checkpoint_sha256(new)
     assert greedy(url) == hf_generate(new, PROMPT)
 
 
@@ -246,7 +241,7 @@ def test_broadcast_sync_sequence(srv, ckpts):
         post(url, "/destroy_weights_update_group", {"group_name": "miles-pp_0"})
         dist.destroy_process_group(pg)
     assert httpx.get(url + "/get_weight_version").json()["weight_version"] == "7"
-    assert served(url) == checkpoint_sha256(new)
+    assert served_sums(url) == checkpoint_sha256(new)
     assert greedy(url) == hf_generate(new, PROMPT)
 
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from tests.support.reference import hf_generate
 from tests.support.serverproc import free_port
 from tests.support.trainer_side import broadcast_bucket, hf_state, join_group, post, tensor_entry
-from tests.support.weight_helpers import checkpoint_sha256, served_sha256
+from tests.support.weight_helpers import checkpoint_sha256, served_sums
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -34,11 +34,6 @@ def ckpts(checkpoint) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def srv(start_server, ckpts):
     return start_server("--allow-weight-update", "--model-path", str(ckpts["base"]))
-
-
-def served(url: str) -> dict[str, str]:
-    with httpx.Client(base_url=url, timeout=60) as c:
-        return served_sha256(c)
 
 
 def restore(url: str, path: Path) -> None:
@@ -101,7 +96,7 @@ def test_colocated_sync_sequence(srv, ckpts):
     post(url, "/flush_cache", {}).raise_for_status()  # no retry: a 400 would fail at once
     tags = {"tags": ["kv_cache", "cuda_graph"]}
     post(url, "/resume_memory_occupation", tags).raise_for_status()
-    assert served(url) == checkpoint_sha256(new)
+    assert served_sums(url) == checkpoint_sha256(new)
     assert generate(url) == hf_generate(new, PROMPT)
     assert httpx.get(url + "/get_weight_version").json()["weight_version"] == version
 
@@ -138,7 +133,7 @@ def test_separated_broadcast_sequence(srv, ckpts):
     finally:
         post(url, "/destroy_weights_update_group", {"group_name": "roll_model_update"})
         dist.destroy_process_group(pg)
-    assert served(url) == checkpoint_sha256(new)
+    assert served_sums(url) == checkpoint_sha256(new)
     assert generate(url) == hf_generate(new, PROMPT)
 
 

@@ -24,6 +24,7 @@ from bench.soak import MODES, TRANSPORTS, SoakConfig, run_soak
 pytestmark = pytest.mark.timeout(240)
 
 
+@pytest.mark.slow
 def test_soak_generation_during_sync_cycles(tmp_path):
     cfg = SoakConfig(duration_s=float(os.environ.get("GRCTL_SOAK_S", "45")), sample_every_s=5.0)
     report = run_soak(cfg, tmp_path)

@@ -22,6 +22,7 @@ from grctl.engine.config import EngineConfig
 from grctl.engine.engine import Engine
 from grctl.engine.request import GenerateRequest, SamplingParams
 from grctl.engine.search.logits_processors import parse_logits_processors
+from tests.support.engines import run_requests
 from tests.support.reference import hf_and_ours
 
 VOCAB = 128
@@ -117,13 +118,6 @@ def engine_with(ours, path: str, **cfg) -> Engine:
     return eng
 
 
-def run(eng: Engine, reqs: list[GenerateRequest]):
-    rids = [eng.submit(r) for r in reqs]
-    while eng.run_step():
-        pass
-    return [eng.result(r) for r in rids]
-
-
 def prompt(n: int, seed: int) -> tuple[int, ...]:
     g = torch.Generator().manual_seed(seed)
     return tuple(torch.randint(0, VOCAB, (n,), generator=g).tolist())
@@ -149,7 +143,9 @@ def test_beam_search_equals_transformers_constrained(
     rows = random_catalog(seed, num, lengths, collide=collide)
     eng = engine_with(ours, write_rows(tmp_path / "c.jsonl", rows))
     ids = prompt(5 + seed * 7, seed)
-    (res,) = run(eng, [GenerateRequest(ids, SamplingParams(max_new_tokens=max_new, n=width))])
+    (res,) = run_requests(
+        eng, [GenerateRequest(ids, SamplingParams(max_new_tokens=max_new, n=width))]
+    )
     ref = reference(hf, ids, rows, width, max_new)
     assert [b.output_ids for b in res.beams] == [s for s, _ in ref]
     got = torch.tensor([b.sequence_score for b in res.beams])
@@ -179,7 +175,7 @@ def test_greedy_constrained_equals_reference(pair, tmp_path, seed):
     rows = random_catalog(seed, 30, (2, 3), collide=1)
     eng = engine_with(ours, write_rows(tmp_path / "c.jsonl", rows))
     ids = prompt(9, 50 + seed)
-    (res,) = run(eng, [GenerateRequest(ids, SamplingParams(max_new_tokens=4))])
+    (res,) = run_requests(eng, [GenerateRequest(ids, SamplingParams(max_new_tokens=4))])
     tokens, score = greedy_reference(hf, ids, rows, 4)
     assert res.output_ids == tokens and res.finish_reason == "item_complete"
     assert res.beams[0].sequence_score == pytest.approx(score, abs=1e-4)
@@ -198,7 +194,7 @@ def test_greedy_follows_the_chosen_childs_node(pair, tmp_path):
     eng = engine_with(ours, write_rows(tmp_path / "c.jsonl", rows))
     bias = parse_logits_processors([{"type": "token_bias", "token_bias": {"30": 100.0}}])
     sp = SamplingParams(max_new_tokens=3, logits_processors=bias)
-    (res,) = run(eng, [GenerateRequest(prompt(6, 1), sp)])
+    (res,) = run_requests(eng, [GenerateRequest(prompt(6, 1), sp)])
     assert res.output_ids == [30, 60, 90] and res.finish_reason == "item_complete"
     assert res.item_results[0].item_ids == ["A"]
 
@@ -216,7 +212,9 @@ def test_greedy_over_many_items_spells_items(pair, tmp_path):
         ids_of.setdefault(tuple(r["token_ids"]), []).append(r["item_id"])
     eng = engine_with(ours, write_rows(tmp_path / "c.jsonl", rows))
     prompts = [prompt(4 + i % 7, 700 + i) for i in range(24)]
-    results = run(eng, [GenerateRequest(p, SamplingParams(max_new_tokens=3)) for p in prompts])
+    results = run_requests(
+        eng, [GenerateRequest(p, SamplingParams(max_new_tokens=3)) for p in prompts]
+    )
     for p, res in zip(prompts, results, strict=True):
         tokens, score = greedy_reference(hf, p, rows, 3)
         assert res.output_ids == tokens
@@ -230,14 +228,14 @@ def test_processors_with_catalog_equal_transformers(pair, tmp_path):
     rows = random_catalog(9, 60, (3,))
     eng = engine_with(ours, write_rows(tmp_path / "c.jsonl", rows))
     ids = prompt(12, 9)
-    free = run(eng, [GenerateRequest(ids, SamplingParams(max_new_tokens=3, n=4))])[0]
+    free = run_requests(eng, [GenerateRequest(ids, SamplingParams(max_new_tokens=3, n=4))])[0]
     banned, boosted = free.beams[0].output_ids[1], free.beams[3].output_ids[0]
     specs = [
         {"type": "bad_tokens", "token_ids": [banned]},
         {"type": "token_bias", "token_bias": {str(boosted): 0.75}},
     ]
     sp = SamplingParams(max_new_tokens=3, n=4, logits_processors=parse_logits_processors(specs))
-    (res,) = run(eng, [GenerateRequest(ids, sp)])
+    (res,) = run_requests(eng, [GenerateRequest(ids, sp)])
     ref = reference(hf, ids, rows, 4, 3, suppress_tokens=[banned], sequence_bias={(boosted,): 0.75})
     assert [b.output_ids for b in res.beams] == [s for s, _ in ref]
     assert all(banned not in b.output_ids for b in res.beams)
@@ -254,10 +252,10 @@ def test_use_catalog_false_and_mixed_batch_equal_alone(pair, tmp_path):
     for i in range(10):
         sp = SamplingParams(max_new_tokens=3, n=[1, 4, 16, 8, 2][i % 5], use_catalog=i % 3 != 0)
         reqs.append(GenerateRequest(prompt(3 + i * 5, 300 + i), sp))
-    together = run(eng, reqs)
+    together = run_requests(eng, reqs)
     assert eng.status()["scheduler"]["prefill_batches"] > 1
     for req, t in zip(reqs, together, strict=True):
-        (alone,) = run(eng, [req])
+        (alone,) = run_requests(eng, [req])
         assert [b.output_ids for b in t.beams] == [b.output_ids for b in alone.beams]
         for bt, ba in zip(t.beams, alone.beams, strict=True):
             assert bt.sequence_score == pytest.approx(ba.sequence_score, abs=1e-5)
@@ -281,7 +279,7 @@ def test_sampled_constrained_decodes_only_items(pair, tmp_path):
         GenerateRequest(ids, SamplingParams(max_new_tokens=4, temperature=1.5, seed=s))
         for s in range(12)
     ]
-    first, again = run(eng, reqs), run(eng, reqs[:3])
+    first, again = run_requests(eng, reqs), run_requests(eng, reqs[:3])
     assert all(tuple(r.output_ids) in items and r.item_results[0].is_complete for r in first)
     assert [r.output_ids for r in again] == [r.output_ids for r in first[:3]]
     assert len({tuple(r.output_ids) for r in first}) > 1
@@ -302,11 +300,11 @@ def test_processor_phases_and_fill_value_equal_transformers(pair, tmp_path):
     rows = random_catalog(17, 60, (3,))
     eng = engine_with(ours, write_rows(tmp_path / "c.jsonl", rows))
     ids = prompt(10, 17)
-    free = run(eng, [GenerateRequest(ids, SamplingParams(max_new_tokens=3, n=4))])[0]
+    free = run_requests(eng, [GenerateRequest(ids, SamplingParams(max_new_tokens=3, n=4))])[0]
     first = free.beams[0].output_ids[0]
     specs = [{"type": "suppress_tokens", "token_ids": [first], "phases": ["prefill"]}]
     sp = SamplingParams(max_new_tokens=3, n=4, logits_processors=parse_logits_processors(specs))
-    (res,) = run(eng, [GenerateRequest(ids, sp)])
+    (res,) = run_requests(eng, [GenerateRequest(ids, sp)])
     suppress = transformers.SuppressTokensLogitsProcessor([first], device="cpu")
     processors = transformers.LogitsProcessorList([FirstStepOnly(len(ids), suppress)])
     ref = reference(hf, ids, rows, 4, 3, logits_processor=processors)
@@ -317,7 +315,7 @@ def test_processor_phases_and_fill_value_equal_transformers(pair, tmp_path):
     # a finite fill_value replaces the log-probability: the token's score is exactly that
     specs = [{"type": "token_suppress", "token_ids": [first], "fill_value": -0.25}]
     sp = SamplingParams(max_new_tokens=1, n=1, logits_processors=parse_logits_processors(specs))
-    (one,) = run(eng, [GenerateRequest(ids, sp)])
+    (one,) = run_requests(eng, [GenerateRequest(ids, sp)])
     assert one.output_ids == [first] and one.beams[0].sequence_score == pytest.approx(-0.25)
 
 
@@ -338,7 +336,7 @@ def test_constrained_search_on_cuda_equals_cpu(tmp_path):
             GenerateRequest(prompt(20 + i, i), SamplingParams(max_new_tokens=3, n=16))
             for i in range(3)
         ]
-        results.append(run(eng, reqs))
+        results.append(run_requests(eng, reqs))
     for cpu, gpu in zip(*results, strict=True):
         assert [b.output_ids for b in cpu.beams] == [b.output_ids for b in gpu.beams]
         assert [r.item_ids for r in cpu.item_results] == [r.item_ids for r in gpu.item_results]

@@ -14,6 +14,7 @@ from grctl.engine.config import EngineConfig
 from grctl.engine.engine import Engine
 from grctl.engine.request import GenerateRequest, SamplingParams
 from tests.engine.test_catalog_search import random_catalog
+from tests.support.engines import run_requests
 from tests.support.reference import hf_and_ours
 
 VOCAB = 128
@@ -36,13 +37,6 @@ def engine_of(ours, rows=None, tmp_path=None, name="c.jsonl") -> Engine:
     return eng
 
 
-def run(eng: Engine, reqs: list[GenerateRequest]):
-    rids = [eng.submit(r) for r in reqs]
-    while eng.run_step():
-        pass
-    return [eng.result(r) for r in rids]
-
-
 @pytest.mark.parametrize(("seed", "width", "num_excluded"), [(0, 8, 10), (1, 16, 25), (2, 4, 3)])
 def test_excluded_items_equal_the_catalog_without_them(pair, tmp_path, seed, width, num_excluded):
     """Excluding items is searching the catalog they are not in: the same beams, the same
@@ -51,7 +45,7 @@ def test_excluded_items_equal_the_catalog_without_them(pair, tmp_path, seed, wid
     rows = random_catalog(seed, 60, (3,), codes=4, collide=6)
     full = engine_of(ours, rows, tmp_path, "full.jsonl")
     sp = SamplingParams(n=width, max_new_tokens=3)
-    (best,) = run(full, [GenerateRequest(PROMPT, sp)])
+    (best,) = run_requests(full, [GenerateRequest(PROMPT, sp)])
     # the items the unconstrained search likes best, and a few others
     named = [i for r in best.item_results for i in r.item_ids]
     excluded = list(dict.fromkeys(named[: num_excluded - 2] + [rows[0]["item_id"], 10_001]))
@@ -60,8 +54,8 @@ def test_excluded_items_equal_the_catalog_without_them(pair, tmp_path, seed, wid
     kept = [r for r in rows if str(r["item_id"]) not in spelled]
     reduced = engine_of(ours, kept, tmp_path, "kept.jsonl")
     ex = SamplingParams(n=width, max_new_tokens=3, exclude_item_ids=tuple(excluded))
-    (got,) = run(full, [GenerateRequest(PROMPT, ex)])
-    (want,) = run(reduced, [GenerateRequest(PROMPT, sp)])
+    (got,) = run_requests(full, [GenerateRequest(PROMPT, ex)])
+    (want,) = run_requests(reduced, [GenerateRequest(PROMPT, sp)])
     assert [b.output_ids for b in got.beams] == [b.output_ids for b in want.beams]
     assert [b.sequence_score for b in got.beams] == pytest.approx(
         [b.sequence_score for b in want.beams], abs=1e-5
@@ -85,7 +79,7 @@ def test_item_results_name_each_item_once(pair, tmp_path):
     rows = [{"item_id": "shared", "token_ids": p} for p in paths[:4]]
     rows += [{"item_id": f"own-{i}", "token_ids": p} for i, p in enumerate(paths[4:])]
     eng = engine_of(ours, rows, tmp_path)
-    (res,) = run(eng, [GenerateRequest(PROMPT, SamplingParams(n=6, max_new_tokens=2))])
+    (res,) = run_requests(eng, [GenerateRequest(PROMPT, SamplingParams(n=6, max_new_tokens=2))])
     assert len(res.beams) == 6
     ids = [r.item_id for r in res.item_results]
     assert sorted(ids) == ["own-0", "own-1", "shared"]
@@ -99,10 +93,12 @@ def test_item_results_name_each_item_once(pair, tmp_path):
 def test_min_new_tokens_equals_transformers(pair, width):
     hf, ours = pair
     eng = engine_of(ours)
-    (free,) = run(eng, [GenerateRequest(PROMPT, SamplingParams(n=width, max_new_tokens=5))])
+    (free,) = run_requests(
+        eng, [GenerateRequest(PROMPT, SamplingParams(n=width, max_new_tokens=5))]
+    )
     stop = free.beams[0].output_ids[0]  # what the search would end on first
     sp = SamplingParams(n=width, max_new_tokens=5, stop_token_ids=(stop,), min_new_tokens=3)
-    (res,) = run(eng, [GenerateRequest(PROMPT, sp)])
+    (res,) = run_requests(eng, [GenerateRequest(PROMPT, sp)])
     out = hf.generate(
         torch.tensor([PROMPT]),
         max_new_tokens=5,
@@ -141,10 +137,12 @@ def test_min_p_draws_only_tokens_near_the_most_likely(pair):
     min_p = ((ranked[4] + ranked[5]) / 2 / ranked[0]).item()  # the 5 most likely pass
     allowed = set(torch.nonzero(probs >= min_p * probs.max()).flatten().tolist())
     sp = [SamplingParams(temperature=temp, min_p=min_p, seed=s) for s in range(300)]
-    drawn = {r.output_ids[0] for r in run(eng, [GenerateRequest(PROMPT, p) for p in sp])}
+    drawn = {r.output_ids[0] for r in run_requests(eng, [GenerateRequest(PROMPT, p) for p in sp])}
     assert len(allowed) == 5 and drawn <= allowed and len(drawn) >= 3
     plain = [SamplingParams(temperature=temp, seed=s) for s in range(300)]
-    unfiltered = {r.output_ids[0] for r in run(eng, [GenerateRequest(PROMPT, p) for p in plain])}
+    unfiltered = {
+        r.output_ids[0] for r in run_requests(eng, [GenerateRequest(PROMPT, p) for p in plain])
+    }
     assert unfiltered - allowed  # without min_p the same seeds reach further
 
 
@@ -153,10 +151,10 @@ def test_length_penalty_equals_transformers(pair):
     early_stopping="never" (the exact stopping rule), beams ending early on a stop token."""
     hf, ours = pair
     eng = engine_of(ours)
-    (free,) = run(eng, [GenerateRequest(PROMPT, SamplingParams(n=4, max_new_tokens=4))])
+    (free,) = run_requests(eng, [GenerateRequest(PROMPT, SamplingParams(n=4, max_new_tokens=4))])
     stop = free.beams[1].output_ids[1]
     sp = SamplingParams(n=4, max_new_tokens=4, stop_token_ids=(stop,), length_penalty=1.0)
-    (res,) = run(eng, [GenerateRequest(PROMPT, sp)])
+    (res,) = run_requests(eng, [GenerateRequest(PROMPT, sp)])
     out = hf.generate(
         torch.tensor([PROMPT]),
         max_new_tokens=4,

@@ -17,6 +17,7 @@ from grctl.engine.config import EngineConfig
 from grctl.engine.engine import Engine
 from grctl.engine.request import GenerateRequest, SamplingParams
 from grctl.engine.search.logits_processors import parse_logits_processors
+from tests.support.engines import run_requests
 from tests.support.reference import hf_and_ours
 
 VOCAB = 128
@@ -40,13 +41,6 @@ def engine_of(ours, catalog_path: str | None = None, **cfg) -> Engine:
         store.load(catalog_path)
         eng.catalogs = store
     return eng
-
-
-def run(eng: Engine, reqs: list[GenerateRequest]):
-    rids = [eng.submit(r) for r in reqs]
-    while eng.run_step():
-        pass
-    return [eng.result(r) for r in rids]
 
 
 def log_softmax_at(hf, ids, temperature: float = 1.0) -> torch.Tensor:
@@ -128,7 +122,7 @@ def test_catalog_samples_follow_the_without_replacement_law(pair, tmp_path):
             probs[t] = p_a * q
     law = set_law(probs, width)
     eng = engine_of(ours, str(path))
-    results = run(
+    results = run_requests(
         eng, [stochastic(width, s, max_new_tokens=2, temperature=temp) for s in range(num)]
     )
     counts = Counter()
@@ -161,7 +155,7 @@ def test_free_samples_follow_the_without_replacement_law(pair):
     eng = engine_of(ours)
     reqs = [stochastic(width, s, max_new_tokens=2, temperature=temp, top_k=k) for s in range(num)]
     counts = Counter()
-    for res in run(eng, reqs):
+    for res in run_requests(eng, reqs):
         seqs = [tuple(b.output_ids) for b in res.beams]
         assert len(set(seqs)) == width and all(s in probs for s in seqs)
         counts[frozenset(seqs)] += 1
@@ -173,8 +167,8 @@ def test_seeded_distinct_and_independent_of_batchmates(pair):
     _, ours = pair
     eng = engine_of(ours)
     kw = dict(max_new_tokens=4, temperature=1.0)
-    alone = run(eng, [stochastic(8, 123, **kw)])[0]
-    mixed = run(
+    alone = run_requests(eng, [stochastic(8, 123, **kw)])[0]
+    mixed = run_requests(
         eng,
         [
             stochastic(4, 5, **kw),
@@ -183,7 +177,7 @@ def test_seeded_distinct_and_independent_of_batchmates(pair):
             stochastic(1, 9, **kw),
         ],
     )[2]
-    other = run(eng, [stochastic(8, 124, **kw)])[0]
+    other = run_requests(eng, [stochastic(8, 124, **kw)])[0]
     seqs = [tuple(b.output_ids) for b in alone.beams]
     assert len(seqs) == 8 and len(set(seqs)) == 8
     assert [b.output_ids for b in mixed.beams] == [list(s) for s in seqs]
@@ -197,8 +191,8 @@ def test_deterministic_beams_unchanged_beside_stochastic_ones(pair):
     _, ours = pair
     eng = engine_of(ours)
     det = GenerateRequest((7, 8, 9, 10), SamplingParams(n=4, max_new_tokens=3))
-    (alone,) = run(eng, [det])
-    together = run(eng, [stochastic(5, 1, max_new_tokens=3, temperature=0.9), det])[1]
+    (alone,) = run_requests(eng, [det])
+    together = run_requests(eng, [stochastic(5, 1, max_new_tokens=3, temperature=0.9), det])[1]
     assert [b.output_ids for b in together.beams] == [b.output_ids for b in alone.beams]
     assert [b.sequence_score for b in together.beams] == pytest.approx(
         [b.sequence_score for b in alone.beams], abs=1e-6
@@ -212,7 +206,9 @@ def test_every_beam_reports_the_trainers_logprobs(pair, original):
     hf, ours = pair
     eng = engine_of(ours, return_original_logprob=original)
     temp = 0.7
-    res = run(eng, [stochastic(6, 3, max_new_tokens=5, temperature=temp, return_logprob=True)])[0]
+    res = run_requests(
+        eng, [stochastic(6, 3, max_new_tokens=5, temperature=temp, return_logprob=True)]
+    )[0]
     assert len(res.beams) == 6
     for beam in res.beams:
         ref = token_logprobs(hf, PROMPT, beam.output_ids, 1.0 if original else temp)
@@ -228,7 +224,7 @@ def test_beam_width_returns_n_beams_each_with_its_logprobs(pair):
     hf, ours = pair
     eng = engine_of(ours)
     sp = SamplingParams(n=3, beam_width=6, max_new_tokens=4)
-    res, full = run(
+    res, full = run_requests(
         eng,
         [
             GenerateRequest(PROMPT, sp, return_logprob=True),
@@ -253,7 +249,7 @@ def test_logprobs_are_the_models_before_catalog_and_processors(pair, tmp_path):
     bias = parse_logits_processors([{"type": "token_bias", "token_bias": {"11": 3.0}}])
     for temp in (0.0, 0.6):
         sp = SamplingParams(n=4, max_new_tokens=2, temperature=temp, seed=1, logits_processors=bias)
-        (res,) = run(eng, [GenerateRequest(PROMPT, sp, return_logprob=True)])
+        (res,) = run_requests(eng, [GenerateRequest(PROMPT, sp, return_logprob=True)])
         assert len(res.beams) == 4
         for beam in res.beams:
             assert tuple(beam.output_ids) in ITEMS

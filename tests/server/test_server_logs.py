@@ -70,6 +70,7 @@ def test_json_log_of_a_push_pause_refusal_and_auth_failure(tiny_checkpoint):
         assert KEY not in srv.log_text()
 
 
+@pytest.mark.slow
 def test_text_log_and_level(tiny_checkpoint):
     args = ("--allow-weight-update", "--log-level", "warning", "--log-format", "text")
     with running_server(*args, env={"GR_LOG_LEVEL": "debug"}) as srv, srv.client() as http:

@@ -44,6 +44,12 @@ def served_sha256(client: httpx.Client) -> dict[str, str]:
     return {name: v["sha256"] for name, v in resp.json()["tensors"].items()}
 
 
+def served_sums(url: str) -> dict[str, str]:
+    """served_sha256 of the server at `url`, on a client of its own."""
+    with httpx.Client(base_url=url, timeout=60) as client:
+        return served_sha256(client)
+
+
 def flush_until_ok(client: httpx.Client, tries: int = 100, interval: float = 0.05) -> int:
     """slime's loop: GET /flush_cache until 200. Returns the number of 400s seen."""
     for attempt in range(tries):
