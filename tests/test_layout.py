@@ -43,7 +43,10 @@ ALLOWED: dict[str, set[str]] = {
         "testing",
     },
     "client": {"protocol", "weights", "weights.wire", "model", "errors"},
+    # the trainer's side, imported beside its own model: never the server or engine internals
+    "rl": {"client", "catalog", "protocol", "weights.wire", "model", "errors"},
     "cli": {
+        "rl",
         "server",
         "client",
         "config",

@@ -36,7 +36,7 @@ class SamplingParamsBody(Struct, kw_only=True):
     exclude_item_ids: list[int | str] | None = None  # no beam completes these catalog items
     logits_processors: list[Any] | None = None  # also accepted at the top level
     # SGLang knobs grctl does not implement: a 400 naming them unless they hold the value that
-    # changes nothing (server/sampling.py)
+    # changes nothing (server/translation/sampling.py)
     frequency_penalty: Any = None
     presence_penalty: Any = None
     repetition_penalty: Any = None

@@ -35,7 +35,7 @@ from grctl.server.disconnect import unless_disconnected
 from grctl.server.offload import offload
 from grctl.server.openapi import error_responses
 from grctl.server.params import seconds
-from grctl.server.wire import to_requests, to_response
+from grctl.server.translation.generate import to_requests, to_response
 
 
 async def run_to_end(state: State, reqs: list[GenerateRequest]) -> list[GenerateResult]:

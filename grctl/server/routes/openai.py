@@ -1,8 +1,8 @@
 """OpenAI-compatible routes, as SGLang and vLLM serve them: /v1/models, /v1/completions and
 /v1/chat/completions, in one reply or as server-sent events (`stream: true`).
 
-Each request runs as /generate's do (server/completions.py converts): the same engine call, so
-the same catalog, logprobs and refusals (paused, weights mixed, memory released answer 503
+Each request runs as /generate's do (server/translation/openai.py converts): the same engine call,
+so the same catalog, logprobs and refusals (paused, weights mixed, memory released answer 503
 before any stream starts). A stream is sent once the requests have finished: GR replies are a
 few tokens, and beams are only known whole.
 """
@@ -36,7 +36,11 @@ from grctl.protocol.openai import (
     ModelList,
     TokenLogprob,
 )
-from grctl.server.completions import (
+from grctl.server.disconnect import unless_disconnected
+from grctl.server.openapi import error_responses
+from grctl.server.routes.generate import run_to_end
+from grctl.server.routes.info import served_model_name
+from grctl.server.translation.openai import (
     Choice,
     chat_prompt,
     choices_of,
@@ -47,10 +51,6 @@ from grctl.server.completions import (
     requests_of,
     usage_of,
 )
-from grctl.server.disconnect import unless_disconnected
-from grctl.server.openapi import error_responses
-from grctl.server.routes.generate import run_to_end
-from grctl.server.routes.info import served_model_name
 
 STARTED = created_now()  # the model cards' `created`
 

@@ -20,7 +20,7 @@ from grctl.protocol.generate import (
     StrictBeamMetaInfo,
     StrictMetaInfo,
 )
-from grctl.server.sampling import check_body, sampling_of, text_options_of
+from grctl.server.translation.sampling import check_body, sampling_of, text_options_of
 
 log = logging.getLogger("grctl.server")
 
