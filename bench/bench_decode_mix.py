@@ -4,13 +4,13 @@
         [--mixes mix_1 mix_2]
 
 The 29M Qwen3 of bench_generate.py's cpu preset (hidden 512, 8 layers, 8 heads, 4 KV heads,
-head_dim 64, vocab 8192), fp32, random weights. The two mixes of issue 21:
+head_dim 64, vocab 8192), fp32, random weights. The two target mixes:
 - mix_1: 1 request of context 4096 at n=128, plus 31 requests of context 64 at n=1;
 - mix_2: 1 request of context 4096, plus 7 of context 256, all n=128.
 `step`: one decode step (`runner.decode`, each beam's tail 2 tokens long, random context KV:
 attention's cost does not depend on the values) of the whole mix, against each request's step
 alone, summed, and against each group of same-shape requests as one batch, summed (the split
-the issue's table quotes). `http`: a real `grctl serve` of the same model (written to a
+the target is stated against). `http`: a real `grctl serve` of the same model (written to a
 temporary checkpoint), 4 new tokens; the mix's requests sent at once (one client thread each)
 against each request alone one after another, summed, and each group sent at once, summed.
 Figures are the best of --repeats (the ways interleaved in each repeat, so load from elsewhere

@@ -141,7 +141,7 @@ def decode_cost(engine: Engine, prompt_len: int, repeats: int) -> dict:
     """What decoding adds to prefill (grctl alone): one beam-256 request against the same prompt
     at beam 1, and 8 concurrent beam-64 requests against their 8 prefills alone (1 new token,
     which comes from the prefill); each ratio beside its FLOP floor (bench/flops.py), the ratio
-    of the two sides' FLOPs. Target: beam 256 within 1.1x of its floor (issue 21)."""
+    of the two sides' FLOPs. Target: beam 256 within 1.1x of its floor."""
     cfg = engine.runner.config
     gen = torch.Generator().manual_seed(2)
     prompts = [

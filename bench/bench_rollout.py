@@ -2,7 +2,7 @@
 search under an item catalog, over HTTP, beside its references measured in the same run.
 
     python bench/bench_rollout.py                  # reduced sizes, a few minutes on 2 CPU cores
-    python bench/bench_rollout.py --full           # the issue's: 256 prompts of 256-2,048
+    python bench/bench_rollout.py --full           # the target's: 256 prompts of 256-2,048
                                                    # tokens, beam 16, a 1M-item catalog
     python bench/bench_rollout.py [--preset cpu|gpu] [--prompts N] [--min-len A] [--max-len B]
         [--beam 16] [--new-tokens 3] [--items N] [--hf-batch 8] [--skip-hf]
@@ -130,7 +130,9 @@ def run_hf(hf, prompts, catalog: Path, beam: int, new_tokens: int, chunk: int):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
-    ap.add_argument("--full", action="store_true", help="the issue's sizes")
+    ap.add_argument(
+        "--full", action="store_true", help="the target sizes: 256 prompts, beam 16, 1M items"
+    )
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--min-len", type=int, default=64)
     ap.add_argument("--max-len", type=int, default=256)

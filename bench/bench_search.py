@@ -1,5 +1,5 @@
 """The search's cost: stochastic beams against deterministic ones, and beam selection's share of
-a decode step at many requests (issue 21.2: one set of ops per step for all requests).
+a decode step at many requests (one set of ops per step for all requests).
 
 On the built-in GR model (the engine directly, no HTTP): `beam64` runs one prompt with beam 64,
 deterministic (T = 0) and stochastic (T = 1, Gumbel top-k without replacement), alternating, best

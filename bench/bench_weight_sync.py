@@ -53,7 +53,7 @@ from grctl.weights.checkpoint import Checkpoint  # noqa: E402
 from tests.support.serverproc import REPO_ROOT, running_server  # noqa: E402
 
 PARTS = ("disk", "window", "tensor")
-# (part, key, sub-key or None, at most): the CPU targets of issues 5 and 6, judged on best-of.
+# (part, key, sub-key or None, at most): the CPU targets of disk and tensor updates, on best-of.
 TARGETS = (
     ("disk", "ratio_server_vs_memcpy", "best", 1.5),
     ("disk", "ratio_wall_vs_memcpy", "best", 1.5),

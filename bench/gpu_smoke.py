@@ -16,7 +16,7 @@ Sections, each timed, each failure recorded without stopping the others:
   this process applies them through the weight sink; checksums, times against a
   device-to-device copy of the same bytes, memory back to baseline on both sides;
 - disk: the 0.6B checkpoint loaded by /update_weights_from_disk's path from the page cache;
-- decode_mix: issue 21's two mixed decode batches as one step (Qwen3-0.6B shape, bf16, through
+- decode_mix: the two mixed decode batches as one step (Qwen3-0.6B shape, bf16, through
   CUDA graphs) against their requests alone and by groups (bench/bench_decode_mix.py);
 - prefix_cache: 16 prompts sharing 1,792 of 2,048 tokens (Qwen3-0.6B shape, bf16), with the
   prefix cache against without it, same beams (bench/bench_prefix_cache.py; target 0.3x);
