@@ -37,18 +37,22 @@ from grctl.protocol.openai import (
     TokenLogprob,
 )
 from grctl.server.disconnect import unless_disconnected
+from grctl.server.offload import offload
 from grctl.server.openapi import error_responses
 from grctl.server.routes.generate import run_to_end
 from grctl.server.routes.info import served_model_name
 from grctl.server.translation.openai import (
     Choice,
     chat_prompt,
+    check_chat,
     choices_of,
     completion_prompts,
     created_now,
     metadata_of,
+    num_prompts,
     refuse_unserved,
     requests_of,
+    top_logprobs_of,
     usage_of,
 )
 
@@ -77,10 +81,14 @@ async def get_model(state: State, model: str) -> ModelCard:
     return card
 
 
-async def run(state: State, request: Request, body, rows, max_new_tokens: int, logprobs: bool):
-    reqs = requests_of(body, rows, max_new_tokens, logprobs)
+async def run(
+    state: State, request: Request, body, rows, max_new_tokens: int, logprobs: bool, top: int
+):
+    reqs = requests_of(body, rows, max_new_tokens, logprobs, top)
     results = await unless_disconnected(request, lambda: run_to_end(state, reqs))
-    return results, choices_of(results, state.tokenizer, body.skip_special_tokens)
+    # detokenizing every beam (and its alternatives) is CPU work: off the event loop
+    choices = await offload(state, choices_of, results, state.tokenizer, body.skip_special_tokens)
+    return results, choices
 
 
 def sse(chunks: list[msgspec.Struct]) -> Stream:
@@ -95,10 +103,11 @@ def sse(chunks: list[msgspec.Struct]) -> Stream:
 def completion_logprobs(choice: Choice) -> CompletionLogprobs | None:
     if choice.logprobs is None:
         return None
+    top = choice.top or [None] * len(choice.logprobs)  # None: no alternatives were asked
     return CompletionLogprobs(
         tokens=[t for t, _ in choice.logprobs],
         token_logprobs=[lp for _, lp in choice.logprobs],
-        top_logprobs=[None] * len(choice.logprobs),  # alternatives are not computed
+        top_logprobs=[None if alts is None else dict(alts) for alts in top],
         text_offset=[-1] * len(choice.logprobs),
     )
 
@@ -116,9 +125,11 @@ async def completions(
     refuse_unserved(body)
     if body.echo:
         raise ValidationError("echo is not supported")
-    rows = completion_prompts(body, state.tokenizer)
+    top = top_logprobs_of(body.logprobs, True, "logprobs") if body.logprobs is not None else 0
+    state.engine.check_batch_fits(num_prompts(body))  # before a prompt is tokenized
+    rows = await offload(state, completion_prompts, body, state.tokenizer)
     results, choices = await run(
-        state, request, body, rows, body.max_tokens, body.logprobs is not None
+        state, request, body, rows, body.max_tokens, body.logprobs is not None, top
     )
     out = [
         CompletionChoice(
@@ -146,9 +157,18 @@ async def completions(
 def chat_logprobs(choice: Choice) -> ChatLogprobs | None:
     if choice.logprobs is None:
         return None
+    top = choice.top or [[] for _ in choice.logprobs]
     return ChatLogprobs(
         content=[
-            TokenLogprob(token=t, bytes=list(t.encode()), logprob=lp) for t, lp in choice.logprobs
+            TokenLogprob(
+                token=t,
+                bytes=list(t.encode()),
+                logprob=lp,
+                top_logprobs=[
+                    {"token": a, "bytes": list(a.encode()), "logprob": alp} for a, alp in alts
+                ],
+            )
+            for (t, lp), alts in zip(choice.logprobs, top, strict=False)
         ]
     )
 
@@ -164,12 +184,14 @@ async def chat_completions(
 ) -> Response:
     body = data or ChatCompletionBody()
     refuse_unserved(body)
-    prompt = chat_prompt(body, state.tokenizer)
+    check_chat(body)  # the refusals first, then the template off the event loop
+    prompt = await offload(state, chat_prompt, body, state.tokenizer)
+    top = top_logprobs_of(body.top_logprobs, body.logprobs, "top_logprobs")
     cfg = state.config.engine
     max_new = body.max_completion_tokens or body.max_tokens
     if max_new is None:  # the server's limit, within the context left after the prompt
         max_new = max(1, min(cfg.max_new_tokens, state.engine.max_context_len - len(prompt)))
-    results, choices = await run(state, request, body, [prompt], max_new, body.logprobs)
+    results, choices = await run(state, request, body, [prompt], max_new, body.logprobs, top)
     head = {
         "id": f"chatcmpl-{results[0].request_id}",
         "created": created_now(),

@@ -27,6 +27,11 @@ from grctl.protocol.openai import (
     Usage,
 )
 
+try:  # what a chat template raises (jinja2 comes with transformers' chat templates)
+    from jinja2.exceptions import TemplateError
+except ImportError:  # pragma: no cover - then apply_chat_template cannot run either
+    TemplateError = RuntimeError  # type: ignore[misc,assignment]
+
 FINISH_REASONS = {"stop": "stop", "item_complete": "stop", "length": "length", "abort": "abort"}
 
 
@@ -74,13 +79,24 @@ def needs_tokenizer(tokenizer: Any | None, what: str) -> Any:
     return tokenizer
 
 
-def completion_prompts(body: CompletionBody, tokenizer: Any | None) -> list[list[int]]:
-    """The prompt as token rows: text, [text, ...], [id, ...] or [[id, ...], ...]."""
+def num_prompts(body: CompletionBody) -> int:
+    """How many prompts a completions body holds, read without tokenizing any (for the queue
+    bound, checked before the tokenizer runs)."""
     prompt = body.prompt
     if body.suffix:
         raise ValidationError("suffix is not supported")
     if prompt is None or prompt == "" or prompt == []:
         raise ValidationError("prompt is required (text or token ids) and may not be empty")
+    if isinstance(prompt, str) or not isinstance(prompt[0], (str, list)):
+        return 1
+    return len(prompt)
+
+
+def completion_prompts(body: CompletionBody, tokenizer: Any | None) -> list[list[int]]:
+    """The prompt as token rows: text, [text, ...], [id, ...] or [[id, ...], ...]. CPU work on
+    the request's text: the route runs it through offload(), after the queue bound."""
+    num_prompts(body)
+    prompt = body.prompt
     if isinstance(prompt, str):
         return [list(needs_tokenizer(tokenizer, "a text prompt").encode(prompt))]
     if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
@@ -108,29 +124,97 @@ def message_text(content: str | list[dict[str, Any]] | None) -> str:
     return "".join(parts)
 
 
-def chat_prompt(body: ChatCompletionBody, tokenizer: Any | None) -> list[int]:
-    """The messages through the tokenizer's chat template, with the assistant's turn opened."""
+# chat_template_kwargs a client may send, as SGLang and vLLM document them for reasoning models
+# (Qwen3's enable_thinking, DeepSeek's thinking, gpt-oss's reasoning_effort): each a value the
+# template only reads. Anything else (a template of the client's own, tools, tokenize,
+# add_generation_prompt, ...) is a 400: the server renders its own template with its own
+# arguments, so no request can make it run code of its choosing or render something else.
+TEMPLATE_KWARGS: dict[str, tuple[type, tuple[Any, ...]]] = {
+    "enable_thinking": (bool, ()),
+    "thinking": (bool, ()),
+    "reasoning_effort": (str, ("low", "medium", "high")),
+}
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound of top_logprobs, and vLLM's default --max-logprobs
+
+
+def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """The documented chat_template_kwargs, each checked; a 400 for any other key or value."""
+    out: dict[str, Any] = {}
+    for key, value in (kwargs or {}).items():
+        shown = key if len(key) <= 40 else key[:40] + "..."
+        if key == "chat_template":
+            raise ValidationError(
+                "chat_template_kwargs.chat_template: grctl renders only the served model's own "
+                "chat template",
+                hint="put the template in the model directory's tokenizer_config.json, or send "
+                "the prompt already formatted to /v1/completions",
+            )
+        if key in ("tools", "documents"):
+            raise ValidationError(f"{key} are not supported (in chat_template_kwargs neither)")
+        rule = TEMPLATE_KWARGS.get(key)
+        if rule is None:
+            raise ValidationError(
+                f"chat_template_kwargs.{shown} is not supported",
+                hint="send only " + ", ".join(TEMPLATE_KWARGS),
+            )
+        kind, allowed = rule
+        if type(value) is not kind or (allowed and value not in allowed):
+            want = " | ".join(map(repr, allowed)) if allowed else kind.__name__
+            raise ValidationError(f"chat_template_kwargs.{key} must be {want}")
+        out[key] = value
+    return out
+
+
+def check_chat(body: ChatCompletionBody) -> dict[str, Any]:
+    """What a chat body may not hold, refused before any templating; its template kwargs."""
     if not body.messages:
         raise ValidationError("messages is required and may not be empty")
     if body.tools:
         raise ValidationError("tools are not supported")
     if body.response_format and body.response_format.get("type") not in (None, "text"):
         raise ValidationError("only response_format {'type': 'text'} is supported")
+    top_logprobs_of(body.top_logprobs, body.logprobs, "top_logprobs")
+    return template_kwargs(body.chat_template_kwargs)
+
+
+def top_logprobs_of(k: int | None, logprobs: bool, what: str) -> int:
+    """How many alternatives per token a request asks for, within MAX_TOP_LOGPROBS."""
+    if not k:
+        return 0
+    if not logprobs:
+        raise ValidationError(f"{what} needs logprobs: true")
+    if k > MAX_TOP_LOGPROBS:
+        raise ValidationError(f"{what} must be at most {MAX_TOP_LOGPROBS}, got {k}")
+    return k
+
+
+def chat_prompt(body: ChatCompletionBody, tokenizer: Any | None) -> list[int]:
+    """The messages through the tokenizer's chat template, with the assistant's turn opened.
+    CPU work on the request's text: the routes run it through offload()."""
+    kwargs = check_chat(body)
     tok = needs_tokenizer(tokenizer, "chat")
-    if not getattr(tok, "chat_template", None):
+    if not isinstance(getattr(tok, "chat_template", None), str) or not tok.chat_template:
         raise ValidationError(
             "the model's tokenizer has no chat template",
             hint="use /v1/completions with the prompt already formatted",
         )
     messages = [{"role": m.role, "content": message_text(m.content)} for m in body.messages]
-    text = tok.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True, **(body.chat_template_kwargs or {})
-    )
+    try:
+        text = tok.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **kwargs
+        )
+    except (TemplateError, TypeError, ValueError, KeyError, IndexError) as exc:
+        # the served template refused these messages (raise_exception, roles out of order...)
+        raise ValidationError(
+            f"the chat template cannot render these messages: {str(exc)[:200]}"
+        ) from None
+    if not isinstance(text, str):
+        raise ValidationError("the chat template did not render text")
     return list(tok.encode(text, add_special_tokens=False))
 
 
 def requests_of(
-    body: OpenAIBody, rows: list[list[int]], max_new_tokens: int, logprobs: bool
+    body: OpenAIBody, rows: list[list[int]], max_new_tokens: int, logprobs: bool, top: int = 0
 ) -> list[GenerateRequest]:
     """One request per prompt; a rid names one prompt, or is rid_0, rid_1, ... for a batch."""
     sampling = sampling_of(body, max_new_tokens)
@@ -142,6 +226,7 @@ def requests_of(
             input_ids=tuple(row),
             sampling=sampling,
             return_logprob=logprobs,
+            top_logprobs_num=top if logprobs else 0,
             request_id=rid or new_request_id(),
         )
         for row, rid in zip(rows, rids, strict=True)
@@ -168,6 +253,7 @@ class Choice:
     matched_stop: int | None
     meta: ChoiceMeta
     logprobs: list[tuple[str, float]] | None  # (token text, logprob) per output token
+    top: list[list[tuple[str, float]]] | None = None  # per output token, best first
 
 
 def choices_of(
@@ -196,15 +282,19 @@ def choices_of(
                 catalog_version=result.catalog_version,
             )
             lps = result.output_token_logprobs if rank == 0 else None
-            logprobs = None
+            logprobs = top = None
             if lps is not None:
                 logprobs = [
                     (token_text(t, tokenizer), float(lp)) for t, lp in zip(ids, lps, strict=False)
                 ]
+                if beam.output_top_logprobs is not None:
+                    top = [
+                        [(token_text(t, tokenizer), float(lp)) for lp, t in pairs]
+                        for pairs in beam.output_top_logprobs
+                    ]
             text = decode(shown, tokenizer, skip_special_tokens)
-            out.append(
-                Choice(len(out), text, FINISH_REASONS.get(kind, kind), matched, meta, logprobs)
-            )
+            reason = FINISH_REASONS.get(kind, kind)
+            out.append(Choice(len(out), text, reason, matched, meta, logprobs, top))
     return out
 
 
