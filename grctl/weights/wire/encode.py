@@ -17,6 +17,7 @@ import base64
 import functools
 import io
 import os
+import signal
 import sys
 import threading
 from collections.abc import Iterable
@@ -66,30 +67,63 @@ def _reduce_tensor(tensor: torch.Tensor, device_uuid: bool = True, shares: Share
 
 
 def start_shm_manager_detached() -> None:
-    """Start torch's torch_shm_manager daemon with stdout and stderr on /dev/null.
+    """Start torch's torch_shm_manager daemon once per process, with stdout and stderr on
+    /dev/null and the signals that could interrupt its start blocked.
 
     torch starts it on the first named shared-memory allocation, and it inherits our stdout and
     stderr. It outlives this process (the server stays connected to it), so whoever reads our
     output through a pipe (`grctl push | tee`, subprocess.run(capture_output=True)) would wait
     for an EOF that never comes. Once started, the daemon serves this process until it exits.
+
+    Signals: while torch waits for the new daemon's name on a pipe, a signal with a handler
+    (Ctrl-C's SIGINT, grctl's SIGTERM) interrupts that read, and torch's retry loop then spins
+    forever on the stale result at 100% CPU; a terminal's Ctrl-C also reaches the fresh child,
+    still in our process group until it calls setsid, and kills it. So those signals are blocked
+    in this thread for the start (the child inherits the mask and keeps them blocked: it exits
+    when its last client disconnects) and a pending one is delivered the moment it is done.
     """
     global _manager_started
     with _manager_lock:
         if _manager_started:
             return
-        sys.stdout.flush()
-        sys.stderr.flush()
-        saved, null = (os.dup(1), os.dup(2)), os.open(os.devnull, os.O_WRONLY)
+        blocked = _start_signals()
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
         try:
-            os.dup2(null, 1)
-            os.dup2(null, 2)
-            torch.empty(1, dtype=torch.uint8).untyped_storage()._share_filename_cpu_()
-        finally:
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            for fd in (*saved, null):
-                os.close(fd)
-        _manager_started = True
+            sys.stdout.flush()
+            sys.stderr.flush()
+            saved, null = (os.dup(1), os.dup(2)), os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(null, 1)
+                os.dup2(null, 2)
+                torch.empty(1, dtype=torch.uint8).untyped_storage()._share_filename_cpu_()
+            finally:
+                os.dup2(saved[0], 1)
+                os.dup2(saved[1], 2)
+                for fd in (*saved, null):
+                    os.close(fd)
+            _manager_started = True
+        finally:  # last: a pending Ctrl-C raises here, with everything above restored
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def shm_manager_started() -> bool:
+    return _manager_started
+
+
+def _start_signals() -> set[signal.Signals]:
+    """The terminal's signals, and every signal this process handles (a handler interrupts a
+    blocking read; default actions that kill us need no care: nothing is left spinning)."""
+    found = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT}
+    for sig in signal.valid_signals():
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        try:
+            handler = signal.getsignal(sig)
+        except (OSError, ValueError):
+            continue
+        if callable(handler):
+            found.add(sig)
+    return found
 
 
 def _reduce_storage_by_name(storage: torch.UntypedStorage, shares: Shares | None = None):
