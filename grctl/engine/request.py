@@ -22,12 +22,14 @@ def new_request_id() -> str:
 
 @dataclass(frozen=True)
 class TextOptions:
-    """How the server spells a result as text; the engine only carries them to the result."""
+    """How the server spells a result (its text, its finish reasons); the engine only carries
+    them to the result."""
 
     skip_special_tokens: bool | None = None  # None: the tokenizer's own default
     spaces_between_special_tokens: bool | None = None
     no_stop_trim: bool = False  # keep a matched stop string in `text`
     return_text_in_logprobs: bool = False  # each logprob entry's text: the token decoded
+    item_finish_reason: str = "stop"  # a completed catalog item: "stop" or "item_complete"
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The generation routes' bodies and replies (docs/http-api.md "Generation"): /generate, /submit,
 /submit_many, /poll, /result, /cancel, /abort_request."""
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta, Struct
@@ -34,6 +34,9 @@ class SamplingParamsBody(Struct, kw_only=True):
     no_stop_trim: bool = False  # keep the matched stop token or string in text
     use_catalog: bool = True  # false: not constrained to the served item catalog
     exclude_item_ids: list[int | str] | None = None  # no beam completes these catalog items
+    # how a beam that completed a catalog item reports it: SGLang's "stop" (with item_id), or
+    # grctl's own "item_complete"
+    item_finish_reason: Literal["stop", "item_complete"] = "stop"
     logits_processors: list[Any] | None = None  # also accepted at the top level
     # SGLang knobs grctl does not implement: a 400 naming them unless they hold the value that
     # changes nothing (server/translation/sampling.py)
@@ -90,9 +93,12 @@ class AbortRequestBody(Struct, kw_only=True):
 
 
 class FinishReason(Struct, kw_only=True, omit_defaults=True):
-    type: str = ""  # "length" | "stop" | "item_complete" | "abort"; the server always sends one
-    matched: int | str | None = None  # the stop token or string, when type == "stop"
+    # "length" | "stop" | "abort", or "item_complete" where sampling_params.item_finish_reason
+    # asks for it; the server always sends one
+    type: str = ""
+    matched: int | str | None = None  # the stop token or string, when a stop token ended it
     length: int | None = None  # the number of generated tokens, when type == "length"
+    item_id: int | str | None = None  # the catalog item the beam completed (its first id)
 
 
 # SGLang's shape: one [logprob, token_id, token_text] per token; text null unless

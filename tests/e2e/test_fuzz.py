@@ -119,6 +119,8 @@ def cases(root: Path) -> list[tuple[str, str, object]]:
         ("POST", "/generate", {"input_ids": [1], "sampling_params": "greedy"}),
         ("POST", "/generate", {"input_ids": [1], "sampling_params": {"n": "many"}}),
         ("POST", "/generate", {"input_ids": [1], "return_logprob": {"x": 1}}),
+        ("POST", "/generate", {"input_ids": [1], "sampling_params": {"item_finish_reason": 1}}),
+        ("POST", "/generate", {"input_ids": [1], "sampling_params": {"item_finish_reason": "x"}}),
         ("POST", "/generate", [1, 2, 3]),
         ("POST", "/generate", "null"),
         ("POST", "/submit_many", {"requests": {"input_ids": [1]}}),

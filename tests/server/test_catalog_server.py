@@ -28,7 +28,7 @@ def generate(client: httpx.Client, n: int = 4, **sampling) -> dict:
     return resp.json()["meta_info"]
 
 
-def check_items(meta: dict, items: dict) -> None:
+def check_items(meta: dict, items: dict, finish: str = "stop") -> None:
     rows = meta["item_results"]
     assert len(rows) == len(meta["beam_results"]) == meta["beam_width"]
     for rank, (row, beam) in enumerate(zip(rows, meta["beam_results"], strict=True)):
@@ -36,7 +36,10 @@ def check_items(meta: dict, items: dict) -> None:
         assert row["item_ids"] == items[tuple(row["token_ids"])]
         assert row["item_id"] == row["item_ids"][0] and row["is_complete"] is True
         assert row["score"] == pytest.approx(beam["meta_info"]["sequence_score"])
-        assert beam["meta_info"]["finish_reason"]["type"] == "item_complete"
+        # SGLang's "stop" (no stop token matched), the item named
+        want = {"type": finish, "item_id": row["item_id"]}
+        assert beam["meta_info"]["finish_reason"] == want
+    assert meta["finish_reason"] == {"type": finish, "item_id": rows[0]["item_id"]}
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +71,19 @@ def test_status_generate_and_submit(served):
     version = status["version"]
     assert client.get("/status").json()["catalog"]["num_items"] == 3000
     meta = generate(client)
-    assert meta["catalog_version"] == version and meta["finish_reason"]["type"] == "item_complete"
+    assert meta["catalog_version"] == version
     check_items(meta, v1)
+    check_items(generate(client, item_finish_reason="item_complete"), v1, "item_complete")
+    cut = generate(client, max_new_tokens=2)  # short of an item: SGLang's length, no item
+    assert cut["finish_reason"] == {"type": "length", "length": 2}
+    assert_error(
+        client.post(
+            "/generate",
+            json={"input_ids": [1, 2], "sampling_params": {"item_finish_reason": "done"}},
+        ),
+        400,
+        "validation_error",
+    )
     free = generate(client, use_catalog=False)
     assert "item_results" not in free and "catalog_version" not in free
     body = {"input_ids": [3, 4, 5], "sampling_params": {"n": 2, "max_new_tokens": 3}}

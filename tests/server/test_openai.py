@@ -227,5 +227,6 @@ def test_catalog_items_ride_on_the_choices(tmp_path):
         meta = choice.meta_info
         assert meta["output_ids"] == row["token_ids"] and meta["item_ids"] == row["item_ids"]
         assert meta["item_ids"] == items[tuple(meta["output_ids"])] and meta["is_complete"]
-        assert choice.finish_reason == "stop" and meta["finish_reason"]["type"] == "item_complete"
+        assert choice.finish_reason == "stop"
+        assert meta["finish_reason"] == {"type": "stop", "item_id": meta["item_id"]}
         assert meta["catalog_version"] is not None

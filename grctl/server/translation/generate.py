@@ -111,12 +111,36 @@ def to_requests(
     return reqs, is_batch
 
 
-def finish_reason(kind: str, output_ids: list[int], matched: int | str | None) -> FinishReason:
+def finish_reason(
+    kind: str,
+    output_ids: list[int],
+    matched: int | str | None,
+    item_id: int | str | None = None,
+    item_form: str = "stop",
+) -> FinishReason:
+    """SGLang's finish_reason. A beam that completed a catalog item ends like one a stop token
+    ended (type "stop", which trainers written for SGLang count as a finished sample), with
+    item_id naming the item; item_form "item_complete" (sampling_params.item_finish_reason)
+    reports grctl's own type instead."""
+    if kind == "item_complete":
+        return FinishReason(type=item_form, item_id=item_id)
     if kind == "stop":
         return FinishReason(type="stop", matched=matched)
     if kind == "length":
         return FinishReason(type="length", length=len(output_ids))
     return FinishReason(type=kind)
+
+
+def _finish_of(result: GenerateResult, rank: int, beam: BeamResult | None) -> FinishReason:
+    """Beam `rank`'s finish_reason (None: the request's own), the item read from item_results."""
+    row = next((r for r in result.item_results or () if r.rank == rank), None)
+    kind, ids, matched = (
+        (result.finish_reason, result.output_ids, result.matched_stop)
+        if beam is None
+        else (beam.finish_reason, beam.output_ids, beam.matched_stop)
+    )
+    item_id = None if row is None else row.item_id
+    return finish_reason(kind, ids, matched, item_id, result.text.item_finish_reason)
 
 
 def ids_text(
@@ -165,7 +189,11 @@ def _top_entries(beam: BeamResult, tokenizer: Any | None, opts: TextOptions):
 
 
 def _beam_out(
-    b: BeamResult, result: GenerateResult, tokenizer: Any | None, completion_tokens: int | None
+    b: BeamResult,
+    rank: int,
+    result: GenerateResult,
+    tokenizer: Any | None,
+    completion_tokens: int | None,
 ) -> BeamOut:
     opts = result.text
     lps = None
@@ -176,7 +204,7 @@ def _beam_out(
         text=beam_text(b, tokenizer, opts),
         meta_info=StrictBeamMetaInfo(
             sequence_score=b.sequence_score,
-            finish_reason=finish_reason(b.finish_reason, b.output_ids, b.matched_stop),
+            finish_reason=_finish_of(result, rank, b),
             completion_tokens=completion_tokens,
             output_token_logprobs=lps,
             output_top_logprobs=_top_entries(b, tokenizer, opts),
@@ -207,7 +235,7 @@ def to_response(result: GenerateResult, tokenizer: Any | None = None) -> Generat
     sglang_form = result.beam_width is not None
     summed = result.completion_tokens if sglang_form else None
     beams = [
-        _beam_out(b, result, tokenizer, summed if i == 0 else None)
+        _beam_out(b, i, result, tokenizer, summed if i == 0 else None)
         for i, b in enumerate(result.beams)
     ]
     top = result.beams[0] if result.beams else None
@@ -220,7 +248,7 @@ def to_response(result: GenerateResult, tokenizer: Any | None = None) -> Generat
         prompt_tokens=result.prompt_tokens,
         completion_tokens=result.completion_tokens,
         cached_tokens=result.cached_tokens,
-        finish_reason=finish_reason(result.finish_reason, result.output_ids, result.matched_stop),
+        finish_reason=_finish_of(result, 0, None),
         weight_version=result.weight_version,
         weight_versions=list(result.weight_versions),
         beam_width=result.beam_width or max(1, len(result.beams)),

@@ -17,7 +17,6 @@ from grctl.engine.request import GenerateRequest, GenerateResult, SamplingParams
 from grctl.engine.search.beam import BeamResult
 from grctl.engine.search.logits_processors import parse_logits_processors
 from grctl.errors import ValidationError
-from grctl.protocol.generate import FinishReason
 from grctl.protocol.openai import (
     ChatCompletionBody,
     ChoiceMeta,
@@ -26,6 +25,7 @@ from grctl.protocol.openai import (
     OpenAIBody,
     Usage,
 )
+from grctl.server.translation.generate import finish_reason
 
 try:  # what a chat template raises (jinja2 comes with transformers' chat templates)
     from jinja2.exceptions import TemplateError
@@ -272,7 +272,9 @@ def choices_of(
             meta = ChoiceMeta(
                 output_ids=list(ids),
                 sequence_score=beam.sequence_score,
-                finish_reason=finish_of(kind, ids, matched),
+                finish_reason=finish_reason(
+                    kind, ids, matched, None if item is None else item.item_id
+                ),
                 weight_version=result.weight_version,
                 weight_versions=list(result.weight_versions),
                 request_id=result.request_id,
@@ -296,14 +298,6 @@ def choices_of(
             reason = FINISH_REASONS.get(kind, kind)
             out.append(Choice(len(out), text, reason, matched, meta, logprobs, top))
     return out
-
-
-def finish_of(kind: str, ids: list[int], matched: int | None) -> FinishReason:
-    if kind == "stop":
-        return FinishReason(type="stop", matched=matched)
-    if kind == "length":
-        return FinishReason(type="length", length=len(ids))
-    return FinishReason(type=kind)
 
 
 def usage_of(results: list[GenerateResult]) -> Usage:

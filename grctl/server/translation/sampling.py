@@ -108,4 +108,5 @@ def text_options_of(body: GenerateBody, sp: SamplingParamsBody) -> TextOptions:
         spaces_between_special_tokens=sp.spaces_between_special_tokens,
         no_stop_trim=sp.no_stop_trim,
         return_text_in_logprobs=body.return_text_in_logprobs,
+        item_finish_reason=sp.item_finish_reason,
     )
