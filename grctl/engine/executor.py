@@ -5,6 +5,12 @@ same weights computes only the rest (an exact repeat skips the model), and promp
 that share a prefix compute it once; then the first token(s) come from the prefill's
 log-probabilities. Decode runs every
 running request's beams in one batch, advances each request's beams and reorders its beam KV.
+
+What one request does alone after the batched selection (its stop strings, its beam KV) is done
+request by request: a failure there makes that request a culprit (`take_culprits`, ended by the
+worker) and the others go on. Before a decode selection draws noise, each stochastic request's
+generator state is marked, so a request re-run alone after a failed step draws what it would
+have drawn (`rewind`).
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ class Executor:
         self.num_prefill_tokens = 0  # computed, cache hits excluded
         self.num_decode_steps = 0
         self.num_decode_rows = 0
+        self.culprits: dict[int, BaseException] = {}  # id(seq) -> what failed for it alone
+        self._marks: dict[int, tuple[int, torch.Tensor]] = {}  # id(seq) -> (num_steps, rng)
 
     def stats(self) -> dict:
         return {
@@ -50,9 +58,34 @@ class Executor:
         """One step. `version` labels the tokens; `cache_tag` keys the prefix cache."""
         if prefill:
             self._prefill(prefill, version, cache_tag or version)
-        decode = decode + [s for s in prefill if not s.is_done]
+        decode = decode + [s for s in prefill if not s.is_done and id(s) not in self.culprits]
         if decode:
             self._decode(decode, version)
+
+    def take_culprits(self) -> dict[int, BaseException]:
+        """The requests that failed alone since the last call (id(seq) -> the error)."""
+        out, self.culprits = self.culprits, {}
+        return out
+
+    def marks(self) -> dict[int, tuple[int, torch.Tensor]]:
+        """The generator states marked before the last decode selection (for `rewind`)."""
+        return self._marks
+
+    @staticmethod
+    def rewind(seq: Sequence, marks: dict[int, tuple[int, torch.Tensor]]) -> None:
+        """Put a request's generator back where `marks` found it before a decode selection, if
+        that selection did not advance it (it failed)."""
+        mark = marks.get(id(seq))
+        gen = seq.beams.generator if seq.beams is not None else None
+        if mark is not None and gen is not None and mark[0] == seq.beams.num_steps:
+            gen.set_state(mark[1])
+
+    def _alone(self, seq: Sequence, what, *args) -> None:
+        """One request's own work after the batched selection; a failure makes it a culprit."""
+        try:
+            what(*args)
+        except Exception as exc:
+            self.culprits[id(seq)] = exc
 
     def _prefill(self, seqs: list[Sequence], version: str, cache_tag: str) -> None:
         """Prompts sharing a prefix with an earlier one of the batch wait for a second pass,
@@ -114,20 +147,24 @@ class Executor:
         beam_select.step(torch.stack([lp for _, _, lp in started]), blocks)
         self._match_stop_strings([s for s, _, _ in started])
         for seq, ctx, _ in started:
-            seq.record_version(version)
-            if seq.beams.is_done:
-                continue
-            sp = seq.req.sampling
-            seq.ctx = ctx
-            seq.beam_kv = BeamKV(
-                cfg.num_layers,
-                sp.width,
-                cfg.num_kv_heads,
-                sp.max_new_tokens - 1,
-                cfg.head_dim,
-                self.runner.dtype,
-                self.device,
-            )
+            if id(seq) not in self.culprits:
+                self._alone(seq, self._started, seq, ctx, version)
+
+    def _started(self, seq: Sequence, ctx: ContextKV, version: str) -> None:
+        seq.record_version(version)
+        if seq.beams.is_done:
+            return
+        cfg, sp = self.runner.config, seq.req.sampling
+        seq.ctx = ctx
+        seq.beam_kv = BeamKV(
+            cfg.num_layers,
+            sp.width,
+            cfg.num_kv_heads,
+            sp.max_new_tokens - 1,
+            cfg.head_dim,
+            self.runner.dtype,
+            self.device,
+        )
 
     def _decode(self, seqs: list[Sequence], version: str) -> None:
         items = [
@@ -140,14 +177,24 @@ class Executor:
         for seq in seqs:
             blocks.append(Block(seq.beams, row, seq.num_beams))
             row += seq.num_beams
+        self._marks = {
+            id(s): (s.beams.num_steps, s.beams.generator.get_state())
+            for s in seqs
+            if s.beams.generator is not None
+        }
         beam_select.step(logits, blocks)
         self._match_stop_strings(seqs)
         for seq, item in zip(seqs, items, strict=True):
-            seq.record_version(version)
-            if seq.beams.is_done:
-                seq.release_kv()
-            elif seq.num_beams > 1:
-                seq.beam_kv.reorder(seq.beams.parents(), item.step + 1)
+            if id(seq) not in self.culprits:
+                self._alone(seq, self._decoded, seq, item.step, version)
+
+    @staticmethod
+    def _decoded(seq: Sequence, step: int, version: str) -> None:
+        seq.record_version(version)
+        if seq.beams.is_done:
+            seq.release_kv()
+        elif seq.num_beams > 1:
+            seq.beam_kv.reorder(seq.beams.parents(), step + 1)
 
     def _match_stop_strings(self, seqs: list[Sequence]) -> None:
         """End the width-1 requests whose text now holds one of their stop strings (one copy
@@ -157,6 +204,10 @@ class Executor:
             return
         tokens = torch.cat([s.beams.last_tokens() for s in watched]).tolist()
         for seq, token in zip(watched, tokens, strict=True):
-            matched = seq.stop_strings.push(token)
-            if matched is not None:
-                seq.beams.finish_running(matched)
+            self._alone(seq, self._stop_string, seq, token)
+
+    @staticmethod
+    def _stop_string(seq: Sequence, token: int) -> None:
+        matched = seq.stop_strings.push(token)
+        if matched is not None:
+            seq.beams.finish_running(matched)

@@ -124,6 +124,16 @@ class Worker:
                 len(failed),
                 len(step),
             )
+        culprits = self.executor.take_culprits()  # failed alone (stop strings, their own KV)
+        if culprits:
+            error = error or next(iter(culprits.values()))
+            failed = set(failed) | set(culprits)
+            log.error(
+                "%d of a step's %d requests failed alone and end with finish_reason abort: %r",
+                len(culprits),
+                len(step),
+                error,
+            )
         with gate:
             gate.end_step()
             self._step_ids = set()
@@ -144,24 +154,32 @@ class Worker:
         cache_tag: str,
     ) -> set[int]:
         """After a failed step, run each of its requests alone, so that only the ones that fail
-        by themselves end (-> their ids). A new request whose prefill went through before the
-        failure decodes alone; one whose beams the failed step advanced cannot run the step
-        again and ends too."""
-        failed = set()
+        by themselves end (-> their ids). A new request whose first-token selection failed
+        starts again (its prefill is then an exact repeat in the prefix cache); one whose prefill
+        and first token went through decodes alone; a request the failed selection did not
+        advance runs its step again with its generator rewound, so it draws what it would have
+        drawn. One whose beams the failed step advanced cannot run the step again and ends."""
+        failed, marks = set(), self.executor.marks()  # the failed step's, not a re-run's
         for seq, is_new in [(s, True) for s in prefill] + [(s, False) for s in decode]:
+            cached = seq.cached_tokens
+            if is_new and seq.beams is not None and not seq.beams.is_started:
+                seq.beams = seq.ctx = seq.beam_kv = None  # the selection failed: start again
             if progress(seq) == before[id(seq)]:
                 alone = ([seq], []) if is_new else ([], [seq])
             elif is_new and seq.beams.num_steps == 1:  # started; its first decode never ran
-                if seq.is_done:
+                if seq.is_done or id(seq) in self.executor.culprits:
                     continue
                 alone = ([], [seq])
             else:
                 failed.add(id(seq))
                 continue
+            self.executor.rewind(seq, marks)
             try:
                 self.executor.run(*alone, label, cache_tag)
             except Exception:
                 failed.add(id(seq))
+            if is_new:
+                seq.cached_tokens = cached  # what the first attempt found, not its own repeat
         return failed
 
     # ---- how a request ends (holding the gate) ------------------------------------------

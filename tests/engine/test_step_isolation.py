@@ -4,10 +4,12 @@ and finish as they would have without it."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from grctl.engine.config import EngineConfig
 from grctl.engine.engine import Engine
 from grctl.engine.request import GenerateRequest, SamplingParams
+from tests.support.engines import run_requests
 from tests.support.reference import hf_and_ours
 
 NEW = 4
@@ -67,3 +69,83 @@ def test_only_the_failing_request_ends(model, stage):
     assert status["requests"]["aborted"] == 1
     assert status["engine"]["errors"] == 1
     assert "out of memory for this request" in status["engine"]["last_error"]
+
+
+# ---- failures after the model: the batched selection, the stop strings, a seeded re-run ----
+
+
+def innocents() -> list[GenerateRequest]:
+    """Greedy, deterministic beams, a seeded sample, seeded stochastic beams (a re-run must
+    draw the same noise); the width-1 ones watch a stop string that never appears."""
+    kinds = [
+        SamplingParams(max_new_tokens=NEW, ignore_eos=True, stop=("never",)),
+        SamplingParams(max_new_tokens=NEW, n=3, ignore_eos=True),
+        SamplingParams(max_new_tokens=NEW, temperature=1.0, seed=7, ignore_eos=True, stop=("z",)),
+        SamplingParams(max_new_tokens=NEW, n=3, temperature=0.8, seed=11, ignore_eos=True),
+    ]
+    return [
+        GenerateRequest(tuple(range(3 + i, 12 + 2 * i)), sp, return_logprob=True, detokenize=spell)
+        for i, sp in enumerate(kinds)
+    ]
+
+
+def spell(ids: list[int]) -> str:
+    return " ".join(map(str, ids))
+
+
+def culprit(stage: str) -> GenerateRequest:
+    sp = SamplingParams(max_new_tokens=NEW, ignore_eos=True, stop=("x",))
+    if stage != "stop_string":  # it asks for top logprobs: the fault fires on its gathers
+        return GenerateRequest(
+            (40, 41, 42), sp, return_logprob=True, top_logprobs_num=5, detokenize=spell
+        )
+
+    def broken(ids: list[int]) -> str:  # the tokenizer cannot spell its second token
+        if len(ids) > 1:
+            raise ValueError("cannot detokenize this request's tokens")
+        return spell(ids)
+
+    return GenerateRequest((40, 41, 42), sp, detokenize=broken)
+
+
+def fail_selection_on_top_logprobs(monkeypatch, started: bool) -> None:
+    """beam_select.step fails, after drawing every request's noise, whenever a request asking
+    for top logprobs is in a first-token selection (started=False) or a decode one (True), as
+    its [requests, width, k] gathers running out of memory would."""
+    from grctl.engine.search import beam_select
+
+    real = beam_select.step
+
+    def faulty(logits, blocks):
+        if any(b.beams.top_logprobs and b.beams.is_started == started for b in blocks):
+            for b in blocks:
+                if b.beams.generator is not None:
+                    torch.rand(64, generator=b.beams.generator)
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+        return real(logits, blocks)
+
+    monkeypatch.setattr(beam_select, "step", faulty)
+
+
+def assert_same(got, want) -> None:
+    """The same beams' tokens exactly; scores and logprobs to fp32 rounding (batches differ)."""
+    for g, w in zip(got, want, strict=True):
+        assert [b.output_ids for b in g.beams] == [b.output_ids for b in w.beams]
+        for gb, wb in zip(g.beams, w.beams, strict=True):
+            assert gb.sequence_score == pytest.approx(wb.sequence_score, abs=1e-4)
+            assert gb.output_token_logprobs == pytest.approx(wb.output_token_logprobs, abs=1e-4)
+
+
+@pytest.mark.parametrize("stage", ["first_token", "decode_selection", "stop_string"])
+def test_a_failure_after_the_model_ends_only_its_request(model, monkeypatch, stage):
+    want = run_requests(Engine(model, EngineConfig()), innocents())
+    if stage != "stop_string":
+        fail_selection_on_top_logprobs(monkeypatch, started=stage == "decode_selection")
+    eng = Engine(model, EngineConfig())
+    reqs = innocents()
+    got = run_requests(eng, [*reqs[:2], culprit(stage), *reqs[2:]])
+    assert got.pop(2).finish_reason == "abort"
+    assert_same(got, want)
+    assert all(r.finish_reason == "length" for r in got)
+    status = eng.status()
+    assert status["requests"]["aborted"] == 1 and status["engine"]["errors"] >= 1
