@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
+from grctl.engine import prompt_logprobs
 from grctl.engine.executor import Executor
 from grctl.engine.gate import PAUSE_MODES, Gate
 from grctl.engine.kv_cache import kv_bytes_budget, request_kv_bytes
@@ -195,18 +196,20 @@ class Engine:
         return rid
 
     def kv_bytes_of(self, req: GenerateRequest) -> int:
-        """The KV a request holds while it runs (admission by --max-kv-bytes)."""
-        sp, itemsize = req.sampling, self.model.embed_tokens.weight.element_size()
-        return request_kv_bytes(
-            self.model.config, itemsize, len(req.input_ids), sp.width, sp.max_new_tokens
-        )
+        """The KV a request holds while it runs, and what scoring its prompt holds
+        (admission by --max-kv-bytes)."""
+        sp, cfg = req.sampling, self.model.config
+        itemsize = self.model.embed_tokens.weight.element_size()
+        kv = request_kv_bytes(cfg, itemsize, len(req.input_ids), sp.width, sp.max_new_tokens)
+        return kv + prompt_logprobs.bytes_of(req, cfg.vocab_size, cfg.hidden_size)
 
     def prefill_tokens_of(self, seq: Sequence) -> int:
         """The prompt tokens a prefill would compute now (the scheduler holds the gate)."""
         if not self.executor.is_cacheable(seq):
             return seq.num_prompt_tokens
         tag = weights_tag(self.gate.label, self.gate.generation)
-        return seq.num_prompt_tokens - self.cache.peek(seq.prompt_key, tag)
+        limit = prompt_logprobs.cache_limit(seq.req)
+        return seq.num_prompt_tokens - self.cache.peek(seq.prompt_key, tag, limit)
 
     def poll(self, request_id: str) -> GenerateResult | None:
         with self.gate:

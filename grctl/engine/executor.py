@@ -3,7 +3,7 @@
 Prefill goes through the prefix cache: a prompt whose first tokens were prefilled before under the
 same weights computes only the rest (an exact repeat skips the model), and prompts of one batch
 that share a prefix compute it once; then the first token(s) come from the prefill's
-log-probabilities. Decode runs every
+log-probabilities (and a scored prompt's per-token scores, prompt_logprobs.py). Decode runs every
 running request's beams in one batch, advances each request's beams and reorders its beam KV.
 
 What one request does alone after the batched selection (its stop strings, its beam KV) is done
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from grctl.engine import prompt_logprobs
 from grctl.engine.decode_batch import DecodeItem
 from grctl.engine.kv_cache import BeamKV, ContextKV, chained
 from grctl.engine.model_runner import ModelRunner
@@ -102,8 +103,11 @@ class Executor:
     ) -> list[tuple[Sequence, ContextKV, torch.Tensor]]:
         started, todo = [], []
         for seq in seqs:
+            limit = prompt_logprobs.cache_limit(seq.req)  # scored tokens are computed
             match = (
-                self.cache.lookup(seq.prompt_key, cache_tag) if self.is_cacheable(seq) else Match()
+                self.cache.lookup(seq.prompt_key, cache_tag, limit)
+                if self.is_cacheable(seq)
+                else Match()
             )
             seq.cached_tokens = match.num_tokens
             if match.logprobs is not None:  # an exact repeat: no model call
@@ -111,9 +115,13 @@ class Executor:
             else:
                 todo.append((seq, match))
         if todo:
+            scores = [prompt_logprobs.scoring_of(seq.req) for seq, _ in todo]
             ctxs, logprobs = self.runner.prefill(
-                [seq.prompt[m.num_tokens :] for seq, m in todo], [m.parts for _, m in todo]
+                [seq.prompt[m.num_tokens :] for seq, m in todo], [m.parts for _, m in todo], scores
             )
+            for (seq, _), sc in zip(todo, scores, strict=True):
+                if sc is not None:
+                    seq.prompt_logprobs = prompt_logprobs.assemble(seq.req, sc)
             self.num_prefill_batches += 1
             self.num_prefill_tokens += sum(seq.num_prompt_tokens - m.num_tokens for seq, m in todo)
             for (seq, _), ctx, lp in zip(todo, ctxs, logprobs, strict=True):
@@ -128,8 +136,16 @@ class Executor:
         return self.max_cached_len is None or seq.num_prompt_tokens <= self.max_cached_len
 
     def _start(self, started: list[tuple[Sequence, ContextKV, torch.Tensor]], version: str) -> None:
-        """The first token(s) of every started request, from its prefill row, in one step."""
+        """The first token(s) of every started request, from its prefill row, in one step (a
+        prefill-only request, max_new_tokens 0, is done)."""
         cfg = self.runner.config
+        for seq, _, _ in started:
+            seq.prefilled = True
+            if seq.req.sampling.max_new_tokens == 0:
+                seq.record_version(version)
+        started = [s for s in started if s[0].req.sampling.max_new_tokens > 0]
+        if not started:
+            return
         blocks = []
         for i, (seq, _, _) in enumerate(started):
             seq.beams = Beams(

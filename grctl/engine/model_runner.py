@@ -3,10 +3,11 @@
 Prefill packs the prompts of a batch into one token stream, so every projection and MLP matmul
 runs once over all of them; attention runs per prompt. A prompt whose first tokens are cached
 (the prefix cache) computes only the rest, at their positions, attending to the cached KV too.
-Only the last token's logits are needed,
-so the last layer computes k and v for every token but q, attention and the MLP for the last
-token alone. Decode runs one token for every beam of every request in one batch of rows; its
-attention reads each request's own context where it lies (decode_batch.py).
+Only the last token's logits are needed (and, for a prompt scored from logprob_start_len, those
+of its scored positions, computed in chunks of rows: prompt_logprobs.py), so the last layer
+computes k and v for every token but q, attention and the MLP for those rows alone. Decode runs
+one token for every beam of every request in one batch of rows; its attention reads each
+request's own context where it lies (decode_batch.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from grctl.engine.context_attention import RaggedContext
 from grctl.engine.decode_batch import DecodeBatch, DecodeItem
 from grctl.engine.kv_cache import ContextKV, chained
+from grctl.engine.prompt_logprobs import Scoring, score
 from grctl.model.attention import prefill_attention
 from grctl.model.device import bind_thread
 from grctl.model.qwen3 import Qwen3ForCausalLM
@@ -47,14 +49,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(
-        self, prompts: list[torch.Tensor], prefixes: list[list[ContextKV]] | None = None
+        self,
+        prompts: list[torch.Tensor],
+        prefixes: list[list[ContextKV]] | None = None,
+        scores: list[Scoring | None] | None = None,
     ) -> tuple[list[ContextKV], torch.Tensor]:
         """prompts: 1-D token tensors; prefixes: per prompt, the cached KV of the tokens before
-        it, in parts (none: it starts at position 0). Returns each prompt's ContextKV (its own
-        tokens' KV, continuing its prefix's parts by reference: nothing of them is copied) and
-        last-token log-probabilities [len(prompts), vocab] in float32."""
+        it, in parts (none: it starts at position 0); scores: per prompt, the positions before
+        its last token whose next-token log-probabilities to fill in (prompt_logprobs.py).
+        Returns each prompt's ContextKV (its own tokens' KV, continuing its prefix's parts by
+        reference: nothing of them is copied) and last-token log-probabilities
+        [len(prompts), vocab] in float32."""
         model, dev = self.model, self.device
         prefixes = prefixes or [[] for _ in prompts]
+        scores = scores or [None] * len(prompts)
         starts = [sum(part.own_length for part in parts) for parts in prefixes]
         lens = [int(p.numel()) for p in prompts]
         ends = torch.tensor(lens).cumsum(0).tolist()
@@ -62,7 +70,10 @@ class ModelRunner:
         ids = torch.cat(prompts).to(dev, non_blocking=True)
         spans = list(zip(starts, lens, strict=True))
         positions = torch.cat([torch.arange(p, p + n) for p, n in spans]).to(dev, non_blocking=True)
-        last = torch.tensor([e - 1 for _, e in bounds], device=dev)
+        # the last layer's query rows: each prompt's last token, after its scored positions
+        extra = [0 if sc is None else sc.rows for sc in scores]
+        rows = [torch.arange(e - 1 - x, e) for (_, e), x in zip(bounds, extra, strict=True)]
+        rows = torch.cat(rows).to(dev, non_blocking=True)
         # a prompt's tokens are computed in one call of its length (dynamic RoPE reads it)
         seq_lens = torch.cat([torch.full((n,), p + n) for p, n in spans]).to(dev, non_blocking=True)
         cos, sin = self._rope(positions, seq_lens)
@@ -82,16 +93,28 @@ class ModelRunner:
         i, layer = len(model.layers) - 1, model.layers[-1]
         x = layer.input_layernorm(h)
         k, v = layer.self_attn.project_kv(x, cos, sin)
-        q = layer.self_attn.project_q(x[last], cos[last], sin[last])  # [prompts, H, D]
-        outs = []
+        q = layer.self_attn.project_q(x[rows], cos[rows], sin[rows])  # [query rows, H, D]
+        outs, at = [], 0
         for r, (s, e) in enumerate(bounds):
             kr, vr = k[s:e].transpose(0, 1).contiguous(), v[s:e].transpose(0, 1).contiguous()
             ks[r].append(kr)
             vs[r].append(vr)
             keys, values = _after(prefixes[r], i, kr, vr)
-            outs.append(prefill_attention(q[r : r + 1], keys, values, causal=False))
-        h = layer.post_attention(h[last], torch.cat(outs))
-        logprobs = torch.log_softmax(model.logits(h), dim=-1)
+            n = extra[r] + 1
+            outs.append(prefill_attention(q[at : at + n], keys, values, causal=n > 1))
+            at += n
+        h = layer.post_attention(h[rows], torch.cat(outs))  # [query rows, hidden]
+        if any(extra):  # each prompt's last row follows its scored ones
+            last_h = h[((torch.tensor(extra) + 1).cumsum(0) - 1).to(dev)]
+        else:
+            last_h = h
+        logprobs = torch.log_softmax(model.logits(last_h), dim=-1)
+        at = 0
+        for r, sc in enumerate(scores):
+            if sc is not None and sc.rows:
+                targets = prompts[r][lens[r] - sc.rows :].to(dev, non_blocking=True)
+                sc.logprobs, sc.top = score(model, h[at : at + sc.rows], targets, sc.top_k)
+            at += extra[r] + 1
         ctxs = [
             ContextKV(tuple(kr), tuple(vr), chained(parts))
             for kr, vr, parts in zip(ks, vs, prefixes, strict=True)

@@ -143,14 +143,15 @@ class PrefixCache:
         self.hits = self.misses = self.inserts = self.evictions = self.hit_tokens = 0
 
     # ---- lookups ------------------------------------------------------------------------
-    def lookup(self, prompt: tuple[int, ...], tag: str) -> Match:
-        """The longest cached prefix of `prompt` under `tag`, counted as a hit or a miss."""
+    def lookup(self, prompt: tuple[int, ...], tag: str, limit: int | None = None) -> Match:
+        """The longest cached prefix of `prompt` under `tag` (at most `limit` tokens: a prompt
+        scored from there on computes the rest), counted as a hit or a miss."""
         if not self.enabled:
             return Match()
         with self._lock:
             self._adopt(tag)
             path = self._walk(prompt)
-            match = self._match(prompt, path)
+            match = self._match(prompt, path, limit=limit)
             self._touch([node for node, _ in path])
             if match.num_tokens:
                 self.hits += 1
@@ -159,14 +160,14 @@ class PrefixCache:
                 self.misses += 1
             return match
 
-    def peek(self, prompt: tuple[int, ...], tag: str) -> int:
+    def peek(self, prompt: tuple[int, ...], tag: str, limit: int | None = None) -> int:
         """How many tokens of `prompt` a lookup would find now; counts and touches nothing."""
         if not self.enabled:
             return 0
         with self._lock:
             if tag != self.tag:
                 return 0
-            return self._match(prompt, self._walk(prompt), with_kv=False).num_tokens
+            return self._match(prompt, self._walk(prompt), False, limit).num_tokens
 
     def waits(self, prompts: Sequence[tuple[int, ...]], tag: str) -> list[bool]:
         """For a batch prefilled together: True for each prompt that shares at least a block
@@ -202,14 +203,18 @@ class PrefixCache:
             node = child
         return path
 
-    def _match(self, prompt: tuple[int, ...], path, with_kv: bool = True) -> Match:
+    def _match(
+        self, prompt: tuple[int, ...], path, with_kv: bool = True, limit: int | None = None
+    ) -> Match:
         total = sum(n for _, n in path)
-        if total == len(prompt) and path:
+        if total == len(prompt) and path and limit is None:
             last, n = path[-1]
             if n == len(last.tokens) and last.logprobs is not None:
                 parts = [node.kv for node, _ in path] if with_kv else []
                 return Match(total, parts, last.logprobs)
         left, parts = min(total, len(prompt) - 1), []  # the last token is computed
+        if limit is not None:
+            left = min(left, limit)
         total = left
         for node, n in path:
             if left <= 0:

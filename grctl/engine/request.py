@@ -39,6 +39,8 @@ class GenerateRequest:
     return_logprob: bool = False
     request_id: str | None = None  # None: the engine assigns one
     top_logprobs_num: int = 0  # with return_logprob: the k most likely tokens at each step
+    # with return_logprob: score the prompt's tokens from this index on (-1: none); SGLang's
+    logprob_start_len: int = -1
     # ids -> text, the server's tokenizer: what sampling.stop strings are matched against
     detokenize: Callable[[list[int]], str] | None = None
     text: TextOptions = TextOptions()
@@ -60,6 +62,17 @@ class ItemResult:
 
 
 @dataclass
+class PromptLogprobs:
+    """A prompt's tokens from logprob_start_len on, each with the model's log-probability of it
+    given the tokens before it (the raw distribution: temperature 1, no catalog mask); the first
+    has none (None), as SGLang reports it."""
+
+    token_ids: list[int]
+    logprobs: list[float | None]
+    top: list[list[tuple[float, int]] | None] | None = None  # with top_logprobs_num
+
+
+@dataclass
 class GenerateResult:
     request_id: str
     prompt_tokens: int
@@ -71,6 +84,7 @@ class GenerateResult:
     weight_versions: list[str]  # every version its tokens were computed with, in order
     output_token_logprobs: list[float] | None = None  # the top sequence's, when asked
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    prompt_logprobs: PromptLogprobs | None = None  # with return_logprob and logprob_start_len
     latency_s: float = 0.0
     item_results: list[ItemResult] | None = None  # with a catalog: one per beam, in beam order
     catalog_version: int | None = None  # the catalog version the request was served with

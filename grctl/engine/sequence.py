@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from grctl.engine.kv_cache import BeamKV, ContextKV
-from grctl.engine.request import GenerateRequest, GenerateResult, ItemResult
+from grctl.engine.request import GenerateRequest, GenerateResult, ItemResult, PromptLogprobs
 from grctl.engine.search.beam import BeamResult, Beams
 from grctl.engine.search.stop_strings import StopStrings
 
@@ -56,6 +56,8 @@ class Sequence:
         self.ctx: ContextKV | None = None
         self.beam_kv: BeamKV | None = None
         self.cached_tokens = 0
+        self.prefilled = False
+        self.prompt_logprobs: PromptLogprobs | None = None  # logprob_start_len's scores
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -71,6 +73,8 @@ class Sequence:
 
     @property
     def is_done(self) -> bool:
+        if self.req.sampling.max_new_tokens == 0:  # prefill only
+            return self.prefilled
         return self.beams is not None and self.beams.is_done
 
     def record_version(self, version: str) -> None:
@@ -94,6 +98,8 @@ class Sequence:
                 b.output_token_logprobs = b.output_top_logprobs = None
         top = beams[0] if beams else None
         reason = "abort" if aborted or top is None else top.finish_reason
+        if not aborted and self.req.sampling.max_new_tokens == 0 and self.prefilled:
+            reason = "length"
         versions = list(self.weight_versions)
         return GenerateResult(
             request_id=self.request_id,
@@ -108,6 +114,7 @@ class Sequence:
             if self.req.return_logprob
             else None,
             cached_tokens=self.cached_tokens,
+            prompt_logprobs=self.prompt_logprobs if self.req.return_logprob else None,
             latency_s=time.monotonic() - self.arrival,
             item_results=self._item_results(beams),
             catalog_version=self.catalog.version if self.catalog is not None else None,

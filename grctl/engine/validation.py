@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from grctl.catalog.exclusions import excluded_nodes, excluded_set
+from grctl.engine import prompt_logprobs
 from grctl.engine.request import GenerateRequest
 from grctl.engine.search.logits_processors import check_token_range
 from grctl.errors import ValidationError
@@ -49,9 +50,10 @@ def validate_request(
     if bad is not None:
         raise ValidationError(f"input_ids holds {bad!r}, not a token id in [0, {vocab})")
     sp = req.sampling
-    if not _is_int(sp.max_new_tokens) or not 1 <= sp.max_new_tokens <= max_new_tokens_limit:
+    if not _is_int(sp.max_new_tokens) or not 0 <= sp.max_new_tokens <= max_new_tokens_limit:
         raise ValidationError(
-            f"max_new_tokens must be in [1, {max_new_tokens_limit}], got {sp.max_new_tokens!r}"
+            f"max_new_tokens must be in [0, {max_new_tokens_limit}] (0: score or cache the "
+            f"prompt only), got {sp.max_new_tokens!r}"
         )
     if len(ids) + sp.max_new_tokens > max_context_len:
         raise ValidationError(
@@ -119,6 +121,24 @@ def _check_search(req: GenerateRequest, vocab: int, max_beam_width: int) -> None
     if not _is_int(req.top_logprobs_num) or not 0 <= req.top_logprobs_num <= vocab:
         raise ValidationError(
             f"top_logprobs_num must be in [0, {vocab}], got {req.top_logprobs_num!r}"
+        )
+    _check_prompt_scores(req)
+
+
+def _check_prompt_scores(req: GenerateRequest) -> None:
+    start, num = req.logprob_start_len, len(req.input_ids)
+    if not _is_int(start) or not -1 <= start <= num:
+        raise ValidationError(
+            f"logprob_start_len must be -1 (no prompt logprobs) or an index in [0, {num}] of "
+            f"the prompt of {num} tokens, got {start!r}"
+        )
+    entries = prompt_logprobs.num_entries(req)
+    if entries > prompt_logprobs.MAX_ENTRIES:
+        raise ValidationError(
+            f"scoring {prompt_logprobs.num_rows(req)} prompt tokens with top_logprobs_num "
+            f"{req.top_logprobs_num} asks {entries} logprobs back, more than "
+            f"{prompt_logprobs.MAX_ENTRIES}",
+            hint="raise logprob_start_len, lower top_logprobs_num, or split the prompt",
         )
 
 

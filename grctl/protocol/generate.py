@@ -13,7 +13,8 @@ TokenId = Annotated[int, Meta(ge=0)]
 
 
 class SamplingParamsBody(Struct, kw_only=True):
-    max_new_tokens: PosInt = 1
+    # 0: prefill only (prompt scoring with logprob_start_len, or warming the prefix cache)
+    max_new_tokens: Annotated[int, Meta(ge=0)] = 1
     # grctl's form: n is the beam width, every beam returned. SGLang's: beam_width W searches W
     # beams and returns the best n <= W.
     n: PosInt = 1
@@ -63,7 +64,9 @@ class GenerateBody(Struct, kw_only=True):
     sampling_params: SamplingParamsBody | list[SamplingParamsBody] | None = None
     return_logprob: bool = False  # every returned beam's output_token_logprobs
     top_logprobs_num: Annotated[int, Meta(ge=0)] = 0  # with return_logprob: output_top_logprobs
-    logprob_start_len: int = -1  # -1 (or the prompt's length): no prompt logprobs
+    # with return_logprob: input_token_logprobs of the prompt's tokens from this index on (the
+    # first entry's logprob is null); -1 (or the prompt's length): none. One, or one per prompt.
+    logprob_start_len: int | list[int] = -1
     return_text_in_logprobs: bool = False  # each logprob entry's text: its token decoded
     rid: str | list[str] | None = None  # a batch takes a list, one id per prompt
     request_id: str | None = None  # alias of rid (one prompt)
@@ -104,6 +107,8 @@ class FinishReason(Struct, kw_only=True, omit_defaults=True):
 # SGLang's shape: one [logprob, token_id, token_text] per token; text null unless
 # return_text_in_logprobs
 LogprobEntry = tuple[float, int, str | None]
+# input_token_logprobs: the same, but the first prompt token scored has no logprob (null)
+InputLogprobEntry = tuple[float | None, int, str | None]
 
 
 class BeamMetaInfo(Struct, kw_only=True, omit_defaults=True):
@@ -144,8 +149,10 @@ class MetaInfo(Struct, kw_only=True):
     output_token_logprobs: list[LogprobEntry] | None = None
     output_token_logprobs_length: int | None = None
     output_top_logprobs: list[list[LogprobEntry]] | None = None  # with top_logprobs_num
-    input_token_logprobs: list[LogprobEntry] | None = None  # [] (no prompt logprobs)
-    input_top_logprobs: list[Any] | None = None
+    # with return_logprob: the prompt's tokens from logprob_start_len on ([] without it), and
+    # with top_logprobs_num their top logprobs (null for the first)
+    input_token_logprobs: list[InputLogprobEntry] | None = None
+    input_top_logprobs: list[list[LogprobEntry] | None] | None = None
     # with an item catalog: one row per beam, in beam order, and the catalog's version
     item_results: list[ItemResultOut] | None = None
     catalog_version: int | None = None

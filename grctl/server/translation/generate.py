@@ -92,10 +92,11 @@ def to_requests(
     if len(set(given)) != len(given):
         raise DuplicateRequestId("the batch repeats a rid; nothing was queued")
     params = per_prompt(body.sampling_params, len(rows), "sampling_params")
+    starts = per_prompt(body.logprob_start_len, len(rows), "logprob_start_len")
     check_body(body)
     detokenize = tokenizer.decode if tokenizer is not None else None
     reqs = []
-    for row, sp, rid in zip(rows, params, rids, strict=True):
+    for row, sp, rid, start in zip(rows, params, rids, starts, strict=True):
         sp = sp or SamplingParamsBody()
         reqs.append(
             GenerateRequest(
@@ -104,6 +105,8 @@ def to_requests(
                 return_logprob=body.return_logprob,
                 request_id=rid or new_request_id(),
                 top_logprobs_num=body.top_logprobs_num,
+                # SGLang ignores it without return_logprob
+                logprob_start_len=start if body.return_logprob else -1,
                 detokenize=detokenize,
                 text=text_options_of(body, sp),
             )
@@ -179,13 +182,29 @@ def _entries(
     ]
 
 
-def _top_entries(beam: BeamResult, tokenizer: Any | None, opts: TextOptions):
-    if beam.output_top_logprobs is None:
+def _top_entries(tops: list | None, tokenizer: Any | None, opts: TextOptions):
+    """Per token, its top (logprob, id) pairs as entries; a None row stays None."""
+    if tops is None:
         return None
     return [
-        _entries([lp for lp, _ in pairs], [t for _, t in pairs], tokenizer, opts)
-        for pairs in beam.output_top_logprobs
+        None
+        if pairs is None
+        else _entries([lp for lp, _ in pairs], [t for _, t in pairs], tokenizer, opts)
+        for pairs in tops
     ]
+
+
+def _input_entries(result: GenerateResult, tokenizer: Any | None):
+    """input_token_logprobs and input_top_logprobs: [] without prompt scores (SGLang)."""
+    scores = result.prompt_logprobs
+    if scores is None:
+        return [], None
+    spell = result.text.return_text_in_logprobs and tokenizer is not None
+    entries = [
+        (lp, t, tokenizer.decode([t]) if spell else None)
+        for lp, t in zip(scores.logprobs, scores.token_ids, strict=True)
+    ]
+    return entries, _top_entries(scores.top, tokenizer, result.text)
 
 
 def _beam_out(
@@ -207,7 +226,7 @@ def _beam_out(
             finish_reason=_finish_of(result, rank, b),
             completion_tokens=completion_tokens,
             output_token_logprobs=lps,
-            output_top_logprobs=_top_entries(b, tokenizer, opts),
+            output_top_logprobs=_top_entries(b.output_top_logprobs, tokenizer, opts),
         ),
     )
 
@@ -239,10 +258,12 @@ def to_response(result: GenerateResult, tokenizer: Any | None = None) -> Generat
         for i, b in enumerate(result.beams)
     ]
     top = result.beams[0] if result.beams else None
-    logprobs = top_lps = None
+    logprobs = top_lps = in_lps = in_top = None
     if result.output_token_logprobs is not None:
         logprobs = _entries(result.output_token_logprobs, result.output_ids, tokenizer, result.text)
-        top_lps = _top_entries(top, tokenizer, result.text) if top is not None else None
+        if top is not None:
+            top_lps = _top_entries(top.output_top_logprobs, tokenizer, result.text)
+        in_lps, in_top = _input_entries(result, tokenizer)
     meta = StrictMetaInfo(
         id=result.request_id,
         prompt_tokens=result.prompt_tokens,
@@ -258,8 +279,8 @@ def to_response(result: GenerateResult, tokenizer: Any | None = None) -> Generat
         output_token_logprobs=logprobs,
         output_token_logprobs_length=None if logprobs is None else len(logprobs),
         output_top_logprobs=top_lps,
-        input_token_logprobs=None if logprobs is None else [],
-        input_top_logprobs=None if top_lps is None else [],
+        input_token_logprobs=in_lps,
+        input_top_logprobs=in_top if in_top is not None else None if top_lps is None else [],
         item_results=_items(result),
         catalog_version=result.catalog_version,
     )

@@ -67,13 +67,6 @@ def refuse_unimplemented(obj: Any, table: dict[str, tuple], where: str) -> None:
 def check_body(body: GenerateBody) -> None:
     """The top-level logprob and output options grctl does not implement: a 400 naming them."""
     refuse_unimplemented(body, _NEUTRAL_TOP, "")
-    if body.return_logprob and body.logprob_start_len not in (-1, None):
-        # prompt logprobs are not computed; only "from the prompt's end" (nothing) is honest
-        raise ValidationError(
-            f"logprob_start_len {body.logprob_start_len}: prompt logprobs "
-            "(input_token_logprobs) are not computed by grctl",
-            hint="send logprob_start_len -1 (the default); output_token_logprobs are returned",
-        )
 
 
 def sampling_of(body: GenerateBody, sp: SamplingParamsBody) -> SamplingParams:
