@@ -51,9 +51,9 @@ class OpenAIBody(Struct, kw_only=True):
 class CompletionBody(OpenAIBody, kw_only=True):
     # text, a batch of texts, token ids, or a batch of token id lists
     prompt: str | list[Any] | None = None
-    max_tokens: PosInt = 16
+    max_tokens: Annotated[int, Meta(ge=0)] = 16  # 0: nothing generated (echo: score the prompt)
     logprobs: Annotated[int, Meta(ge=0)] | None = None  # the chosen token's only
-    echo: bool = False
+    echo: bool = False  # the prompt before the completion; with logprobs, its tokens' too
     suffix: str | None = None  # refused
 
 
@@ -108,7 +108,8 @@ class Metadata(Struct, kw_only=True):
 
 class CompletionLogprobs(Struct, kw_only=True):
     tokens: list[str] = msgspec.field(default_factory=list)
-    token_logprobs: list[float] = msgspec.field(default_factory=list)
+    # with echo the prompt's tokens come first, the very first without a logprob (null)
+    token_logprobs: list[float | None] = msgspec.field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = msgspec.field(default_factory=list)
     text_offset: list[int] = msgspec.field(default_factory=list)
 

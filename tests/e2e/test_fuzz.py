@@ -143,6 +143,31 @@ def cases(root: Path) -> list[tuple[str, str, object]]:
         ("POST", "/generate", {"input_ids": [1], "sampling_params": {"top_k": -9}}),
         ("POST", "/generate", {"input_ids": [1], "sampling_params": {"seed": 2**80}}),
         ("POST", "/generate", {"input_ids": [1] * 100_000}),
+        # prompt scoring: a start past the prompt, a list for one prompt, a type, too many back
+        (
+            "POST",
+            "/generate",
+            {"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 3},
+        ),
+        (
+            "POST",
+            "/generate",
+            {"input_ids": [1], "return_logprob": True, "logprob_start_len": [0, 0]},
+        ),
+        ("POST", "/generate", {"input_ids": [1], "return_logprob": True, "logprob_start_len": -9}),
+        ("POST", "/generate", {"input_ids": [1], "logprob_start_len": {"a": 1}}),
+        (
+            "POST",
+            "/generate",
+            {
+                "input_ids": [1] * 4000,
+                "return_logprob": True,
+                "logprob_start_len": 0,
+                "top_logprobs_num": 1000,
+                "sampling_params": {"max_new_tokens": 0},
+            },
+        ),
+        ("POST", "/v1/completions", {"prompt": [1, 2], "max_tokens": -1, "echo": True}),
         ("POST", "/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": -1}),
         ("POST", "/flush_cache", {"timeout": -3}),
         (
@@ -357,6 +382,9 @@ FIELDS = [
     "rid",
     "abort_all",
     "new_version",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "return_logprob",
 ]
 
 

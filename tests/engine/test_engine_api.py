@@ -54,7 +54,7 @@ def run_all(eng: Engine) -> int:
         req(ids=(-1,)),
         req(ids=(True,)),
         req(ids=[1] * 250, max_new_tokens=7),
-        req(max_new_tokens=0),
+        req(max_new_tokens=-1),
         req(max_new_tokens=65),
         req(n=0),
         req(n=9),

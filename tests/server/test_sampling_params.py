@@ -179,10 +179,11 @@ def test_no_op_defaults_of_those_knobs_are_accepted(http):
     plain = gen(http, {"max_new_tokens": 2})
     assert gen(http, {"max_new_tokens": 2, **neutral})["output_ids"] == plain["output_ids"]
     assert gen(http, {"max_new_tokens": 2}, logprob_start_len=-1, return_logprob=True)
+    # logprob_start_len is served since prompt scoring landed (tests/server/test_prompt_scoring.py)
     r = http.post(
         "/generate", json={"input_ids": PROMPT, "return_logprob": True, "logprob_start_len": 0}
     )
-    assert r.status_code == 400 and "logprob_start_len" in r.json()["error"]["message"]
+    assert r.status_code == 200 and len(r.json()["meta_info"]["input_token_logprobs"]) == 5
 
 
 def test_beam_width_refusals(http):

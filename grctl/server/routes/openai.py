@@ -18,7 +18,7 @@ from litestar.datastructures import State
 from litestar.params import Body
 from litestar.response import Stream
 
-from grctl.errors import NotFound, ValidationError
+from grctl.errors import NotFound
 from grctl.protocol.openai import (
     ChatChoice,
     ChatChunkChoice,
@@ -82,12 +82,22 @@ async def get_model(state: State, model: str) -> ModelCard:
 
 
 async def run(
-    state: State, request: Request, body, rows, max_new_tokens: int, logprobs: bool, top: int
+    state: State,
+    request: Request,
+    body,
+    rows,
+    max_new_tokens: int,
+    logprobs: bool,
+    top: int,
+    echo: bool = False,
 ):
-    reqs = requests_of(body, rows, max_new_tokens, logprobs, top)
+    reqs = requests_of(body, rows, max_new_tokens, logprobs, top, echo)
     results = await unless_disconnected(request, lambda: run_to_end(state, reqs))
     # detokenizing every beam (and its alternatives) is CPU work: off the event loop
-    choices = await offload(state, choices_of, results, state.tokenizer, body.skip_special_tokens)
+    echo_rows = rows if echo else None
+    choices = await offload(
+        state, choices_of, results, state.tokenizer, body.skip_special_tokens, echo_rows
+    )
     return results, choices
 
 
@@ -123,13 +133,11 @@ async def completions(
 ) -> Response:
     body = data or CompletionBody()
     refuse_unserved(body)
-    if body.echo:
-        raise ValidationError("echo is not supported")
     top = top_logprobs_of(body.logprobs, True, "logprobs") if body.logprobs is not None else 0
     state.engine.check_batch_fits(num_prompts(body))  # before a prompt is tokenized
     rows = await offload(state, completion_prompts, body, state.tokenizer)
     results, choices = await run(
-        state, request, body, rows, body.max_tokens, body.logprobs is not None, top
+        state, request, body, rows, body.max_tokens, body.logprobs is not None, top, body.echo
     )
     out = [
         CompletionChoice(

@@ -214,9 +214,15 @@ def chat_prompt(body: ChatCompletionBody, tokenizer: Any | None) -> list[int]:
 
 
 def requests_of(
-    body: OpenAIBody, rows: list[list[int]], max_new_tokens: int, logprobs: bool, top: int = 0
+    body: OpenAIBody,
+    rows: list[list[int]],
+    max_new_tokens: int,
+    logprobs: bool,
+    top: int = 0,
+    echo: bool = False,
 ) -> list[GenerateRequest]:
-    """One request per prompt; a rid names one prompt, or is rid_0, rid_1, ... for a batch."""
+    """One request per prompt; a rid names one prompt, or is rid_0, rid_1, ... for a batch.
+    `echo` with logprobs scores the prompt too (logprob_start_len 0)."""
     sampling = sampling_of(body, max_new_tokens)
     rids = (
         [body.rid] if len(rows) == 1 else [body.rid and f"{body.rid}_{i}" for i in range(len(rows))]
@@ -228,6 +234,7 @@ def requests_of(
             return_logprob=logprobs,
             top_logprobs_num=top if logprobs else 0,
             request_id=rid or new_request_id(),
+            logprob_start_len=0 if echo and logprobs else -1,
         )
         for row, rid in zip(rows, rids, strict=True)
     ]
@@ -252,15 +259,21 @@ class Choice:
     finish_reason: str
     matched_stop: int | None
     meta: ChoiceMeta
-    logprobs: list[tuple[str, float]] | None  # (token text, logprob) per output token
-    top: list[list[tuple[str, float]]] | None = None  # per output token, best first
+    # (token text, logprob) per output token (with echo, the prompt's first: its first None)
+    logprobs: list[tuple[str, float | None]] | None
+    top: list[list[tuple[str, float]] | None] | None = None  # per token, best first
 
 
 def choices_of(
-    results: list[GenerateResult], tokenizer: Any | None, skip_special_tokens: bool
+    results: list[GenerateResult],
+    tokenizer: Any | None,
+    skip_special_tokens: bool,
+    echo_rows: list[list[int]] | None = None,
 ) -> list[Choice]:
+    """Every request's beams as choices; with echo_rows (the prompts, one per result) each
+    choice's text starts with its prompt's, and its logprobs with the prompt's scores."""
     out: list[Choice] = []
-    for result in results:
+    for n, result in enumerate(results):
         beams = result.beams or [BeamResult(result.output_ids, 0.0, result.finish_reason)]
         for rank, beam in enumerate(beams):
             kind = "abort" if result.finish_reason == "abort" else beam.finish_reason
@@ -295,6 +308,20 @@ def choices_of(
                         for pairs in beam.output_top_logprobs
                     ]
             text = decode(shown, tokenizer, skip_special_tokens)
+            if echo_rows is not None:
+                text = decode(echo_rows[n], tokenizer, skip_special_tokens) + text
+                scores = result.prompt_logprobs
+                if logprobs is not None and scores is not None:
+                    pairs = zip(scores.token_ids, scores.logprobs, strict=True)
+                    logprobs = [(token_text(t, tokenizer), lp) for t, lp in pairs] + logprobs
+                    if scores.top is not None:
+                        alts = [
+                            None
+                            if row is None
+                            else [(token_text(t, tokenizer), float(lp)) for lp, t in row]
+                            for row in scores.top
+                        ]
+                        top = alts + (top or [])
             reason = FINISH_REASONS.get(kind, kind)
             out.append(Choice(len(out), text, reason, matched, meta, logprobs, top))
     return out
