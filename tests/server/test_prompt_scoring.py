@@ -133,6 +133,15 @@ def test_openai_echo_with_logprobs(http, hf):
     lps = choice["logprobs"]
     assert lps["tokens"] == words.split() and lps["token_logprobs"][0] is None
     assert lps["token_logprobs"][1:] == pytest.approx(scores(hf, PROMPT, 0), abs=1e-5)
+    assert lps["top_logprobs"] == [None] * len(PROMPT)  # logprobs 0: no alternatives
+    tops = http.post("/v1/completions", json={**body, "logprobs": 2}).json()["choices"][0]
+    alts = tops["logprobs"]["top_logprobs"]
+    assert alts[0] is None and len(alts) == len(PROMPT)
+    lp = ref(hf, PROMPT)
+    for j, alt in enumerate(alts[1:], start=1):
+        vals, idx = lp[j - 1].topk(2)
+        assert list(alt) == [f"t{i}" for i in idx.tolist()]
+        assert list(alt.values()) == pytest.approx(vals.tolist(), abs=1e-5)
     more = http.post("/v1/completions", json={**body, "max_tokens": 2}).json()["choices"][0]
     assert more["text"].startswith(words) and len(more["text"]) > len(words)
     assert len(more["logprobs"]["tokens"]) == len(PROMPT) + 2
