@@ -6,12 +6,21 @@ carries out between two steps (Worker._loop calls `service` and `after_step`). A
 at a stop, after `num_steps` steps, or when the engine stops; its trace is written then, as
 `<output_dir>/[<prefix>-]<profile_id>-TP-0.trace.json.gz` (SGLang's name for rank 0), which
 Perfetto and chrome://tracing open.
+
+Every profile is bounded: at most MAX_STEPS steps (DEFAULT_STEPS when the request names none),
+MAX_SECONDS of wall time and MAX_GROWTH_BYTES of resident memory grown since it started (what
+torch's profiler holds in memory until the export); the first bound reached stops it. The
+recording stops on the worker thread (torch's profiler records the thread that started it);
+the export, which takes seconds for a long profile, runs on another thread (the /stop_profile
+request's, or a thread of its own when a bound stopped it), so generation goes on meanwhile.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -26,6 +35,19 @@ from grctl.errors import Conflict, NotReady, ValidationError
 log = logging.getLogger("grctl.engine")
 
 ACTIVITIES = ("CPU", "GPU", "MEM")  # SGLang's names that grctl records (MEM: allocations too)
+DEFAULT_STEPS = 100  # a profile that names no num_steps stops after these many steps
+MAX_STEPS = 10_000
+MAX_SECONDS = 600.0
+MAX_GROWTH_BYTES = 1 << 30  # resident memory grown since the profile started
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (0 where /proc is not there: no byte bound then)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 @dataclass(frozen=True)
@@ -77,16 +99,25 @@ class StepProfiler:
         self._active: ProfileRequest | None = None
         self._prof: profile | None = None
         self._num_profiled = 0
+        self._started_at = 0.0
+        self._rss_at_start = 0
+        self._exporting: threading.Thread | None = None  # a bound's export, on its own thread
         self.num_steps = 0  # steps the engine has run
 
     # ---- the request side ---------------------------------------------------------------
     def start(self, req: ProfileRequest, timeout: float = 30.0) -> None:
         """Start profiling (at once, or once the engine has run req.start_step steps)."""
         torch_activities(req, self.device)
+        if req.num_steps is not None and not 1 <= req.num_steps <= MAX_STEPS:
+            raise ValidationError(f"num_steps must be in [1, {MAX_STEPS}], got {req.num_steps}")
         self._require_worker("nothing to profile")
         with self._lock:
             if self._command is not None or self._armed is not None or self._active is not None:
                 raise Conflict("profiling is already in progress", hint="call /stop_profile first")
+            if self._exporting is not None and self._exporting.is_alive():
+                raise Conflict(
+                    "the last profile's trace is still being written", hint="retry in a moment"
+                )
             if req.start_step is not None and req.start_step > self.num_steps:
                 self._armed = req
                 return
@@ -105,7 +136,8 @@ class StepProfiler:
                 raise Conflict("profiling is not in progress", hint="call /start_profile first")
             fut: Future = Future()
             self._command = ("stop", None, fut)
-        return self._wait(fut, timeout)
+        stopped = self._wait(fut, timeout)  # the recording stopped on the worker thread
+        return _export(*stopped)  # written here, while the engine steps on
 
     def _require_worker(self, what: str) -> None:
         if not self.gate.worker_alive:
@@ -130,7 +162,7 @@ class StepProfiler:
                 return
             kind, req, fut = command
             try:
-                fut.set_result(self._begin(req) if kind == "start" else self._finish())
+                fut.set_result(self._begin(req) if kind == "start" else self._stop_recording())
             except Exception as exc:
                 fut.set_exception(exc)
 
@@ -144,10 +176,28 @@ class StepProfiler:
                     self._begin(armed)
                 except Exception:
                     log.exception("profiler failed to start at step %d", self.num_steps)
-            elif self._active is not None and self._active.num_steps is not None:
+            elif self._active is not None:
                 self._num_profiled += 1
-                if self._num_profiled >= self._active.num_steps:
-                    self._finish()
+                if self._over_bounds():
+                    stopped = self._stop_recording()
+                    self._exporting = threading.Thread(
+                        target=_export, args=stopped, name="grctl-profile-export", daemon=True
+                    )
+                    self._exporting.start()
+
+    def _over_bounds(self) -> bool:
+        req = self._active
+        assert req is not None
+        if self._num_profiled >= (req.num_steps or DEFAULT_STEPS):
+            return True
+        if time.monotonic() - self._started_at > MAX_SECONDS:
+            log.warning("profile %s stopped after %.0f s (its bound)", req.profile_id, MAX_SECONDS)
+            return True
+        grown = resident_bytes() - self._rss_at_start
+        if self._rss_at_start and grown > MAX_GROWTH_BYTES:
+            log.warning("profile %s stopped: memory grew by %d bytes", req.profile_id, grown)
+            return True
+        return False
 
     def close(self) -> None:
         """The engine stops: a queued command fails, a running profile writes its trace."""
@@ -156,7 +206,7 @@ class StepProfiler:
             if command is not None:
                 command[2].set_exception(NotReady("the engine stopped before the profiler ran"))
             if self._active is not None:
-                self._finish()
+                _export(*self._stop_recording())
 
     def _begin(self, req: ProfileRequest) -> None:
         prof = profile(
@@ -165,17 +215,28 @@ class StepProfiler:
             with_stack=req.with_stack,
             profile_memory="MEM" in req.activities,
         )
+        self._rss_at_start = resident_bytes()
         prof.start()
         self._prof, self._active, self._num_profiled = prof, req, 0
+        self._started_at = time.monotonic()
         log.info("profiling started (%s)", req.profile_id)
 
-    def _finish(self) -> Path:
+    def _stop_recording(self) -> tuple[profile, Path]:
         prof, req = self._prof, self._active
         assert prof is not None and req is not None
         self._prof = self._active = None
         prof.stop()
-        path = req.trace_path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(path))
-        log.info("profile written to %s", path)
-        return path
+        return prof, req.trace_path
+
+
+def _export(prof: profile, path: Path) -> Path:
+    """Write a stopped profile's trace (seconds for a long one: never on the worker thread)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial.json.gz")  # renamed whole: never seen half
+    try:
+        prof.export_chrome_trace(str(partial))
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+    log.info("profile written to %s", path)
+    return path

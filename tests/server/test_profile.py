@@ -114,3 +114,85 @@ def test_gpu_activity_records_the_cuda_kernels(tmp_path):
         wait_for(path)
     events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
     assert any(e.get("cat") == "kernel" for e in events) and trace_ops(path)
+
+
+# ---- bounds: where a trace may go, how long a profile may grow, who writes the trace ----
+
+
+def test_output_dir_is_confined_to_the_profile_dir(tmp_path):
+    root, outside = tmp_path / "profiles", tmp_path / "outside"
+    root.mkdir(), outside.mkdir()
+    (root / "link").symlink_to(outside)
+    with app_server("--torch-profiler-dir", str(root)) as srv, srv.client() as http:
+        for output_dir in (
+            str(outside),
+            "/etc",
+            "../outside",
+            "a/../../outside",
+            "link",
+            "link/deeper",
+            str(root / "link"),
+            "a\x00b",
+            "x" * 5000,
+        ):
+            body = {"output_dir": output_dir}
+            assert_error(http.post("/start_profile", json=body), 400, "validation_error")
+        long_id = {"profile_id": "p" * 300}
+        err = assert_error(http.post("/start_profile", json=long_id), 400, "validation_error")
+        assert "at most 128" in err["message"]
+        assert_error(http.post("/stop_profile"), 409, "conflict")  # nothing was started
+        inside = {"output_dir": "runs/a", "profile_id": "q" * 128, "num_steps": 1}
+        started = http.post("/start_profile", json=inside)
+        assert started.status_code == 200, started.text
+        path = Path(started.json()["trace_path"])
+        assert path.parent == root.resolve() / "runs" / "a"
+        http.post("/generate", json=GENERATE)
+        wait_for(path)
+    assert list(outside.iterdir()) == []
+
+
+@pytest.mark.parametrize("bound", ["DEFAULT_STEPS", "MAX_SECONDS", "MAX_GROWTH_BYTES"])
+def test_a_profile_started_with_nothing_stops_at_its_bounds(tmp_path, monkeypatch, bound):
+    from grctl.engine import profiler
+
+    # each bound made small in turn: steps 3, no time, memory below any growth
+    monkeypatch.setattr(profiler, bound, {"DEFAULT_STEPS": 3}.get(bound, -1))
+    with app_server("--torch-profiler-dir", str(tmp_path)) as srv, srv.client() as http:
+        started = http.post("/start_profile", json={})
+        assert started.status_code == 200, started.text
+        path = Path(started.json()["trace_path"])
+        for _ in range(4):
+            assert http.post("/generate", json=GENERATE).status_code == 200
+        wait_for(path)
+        assert trace_ops(path)
+        assert_error(http.post("/stop_profile"), 409, "conflict")  # it stopped by itself
+        assert http.post("/start_profile", json={}).status_code in (200, 409)
+
+
+def test_stop_exports_off_the_engine_thread(tmp_path, monkeypatch):
+    """While /stop_profile writes a slow trace, a /generate is answered."""
+    import threading
+
+    from grctl.engine import profiler
+
+    real, exporting, threads = profiler._export, threading.Event(), []
+
+    def slow_export(prof, path):
+        threads.append(threading.current_thread().name)
+        exporting.set()
+        time.sleep(3)
+        return real(prof, path)
+
+    monkeypatch.setattr(profiler, "_export", slow_export)
+    with app_server("--torch-profiler-dir", str(tmp_path)) as srv, srv.client() as http:
+        assert http.post("/start_profile", json={}).status_code == 200
+        http.post("/generate", json=GENERATE)
+        stop = threading.Thread(target=lambda: http.post("/stop_profile"))
+        stop.start()
+        assert exporting.wait(30)
+        started = time.monotonic()
+        assert http.post("/generate", json=GENERATE).status_code == 200
+        took = time.monotonic() - started
+        stop.join(30)
+    assert took < 2.5, f"/generate waited {took:.1f} s for the export"
+    assert threads and threads[0] != "grctl-engine"
