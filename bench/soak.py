@@ -19,9 +19,10 @@ Every answer is checked as it arrives:
 - 5xx other than 503 `paused` or `weights_mixed` (retryable, inside a sync cycle: a tensor push
   leaves two labels between its chunks), any 4xx, or a transport error: a violation;
 - 200 with one version: output_ids equal transformers' outputs of that checkpoint;
-- 200 with two versions [A, B]: only during an in_place cycle A -> B, and output_ids equal what
-  transformers gives when the first k tokens come from A (prefill and k-1 decode steps, their KV
-  kept) and the rest from B on that KV, for some 1 <= k < max_new_tokens;
+- 200 with two versions [A, B] (meta_info.weight_versions spans): only during an in_place or
+  retract cycle A -> B, and output_ids equal what transformers gives when the first k tokens come
+  from A and the rest from B, for some 1 <= k < max_new_tokens: in_place, on A's KV of those k
+  tokens (prefill and k-1 decode steps, kept); retract, on B's KV of them (recomputed);
 - 200 with finish_reason abort: only during an abort-mode pause; outputs a prefix of its version's.
 Resources of the server process (RssAnon, open fds, /dev/shm segments it maps) and this process's
 own shared-memory segments are sampled at cycle boundaries under load: the first sample after the
@@ -114,6 +115,19 @@ class Reference:
                 ]
             return self._mixed[key]
 
+    def recomputed_runs(self, a: str, b: str, prompt: list[int]) -> list[list[int]]:
+        """Every output a retract A -> B can give: k tokens from A, then B's greedy
+        continuation of the prompt and those k tokens (B recomputes all of their KV)."""
+        key = ("retract", a, b, tuple(prompt))
+        with self._lock:
+            if key not in self._mixed:
+                first, model = self.expected[a][tuple(prompt)], self.models[b]
+                self._mixed[key] = [
+                    greedy_on_kv(model, model, prompt, first[:k], len(first))
+                    for k in range(1, len(first))
+                ]
+            return self._mixed[key]
+
 
 @torch.no_grad()
 def greedy_on_kv(model_a, model_b, prompt: list[int], first: list[int], n: int) -> list[int]:
@@ -147,6 +161,7 @@ class Window:
 class Tally:
     ok: int = 0
     ok_across_retract: int = 0
+    recomputed_across_retract: int = 0
     aborted: int = 0
     mixed_in_place: int = 0
     paused_503: int = 0
@@ -207,7 +222,7 @@ class Checker:
         out, version, versions = (
             resp.json()["output_ids"],
             meta["weight_version"],
-            meta["weight_versions"],
+            [span["version"] for span in meta["weight_versions"] if span["end"] > span["start"]],
         )
         expected = self.ref.expected.get(version, {}).get(tuple(prompt))
         if expected is None:
@@ -217,17 +232,26 @@ class Checker:
         if aborted and not any(w.mode == "abort" for w in cycles):
             return self.violation(f"aborted outside an abort-mode cycle: {where}")
         if len(versions) == 2:
-            # Frozen by an in_place pause A -> B, resumed on B (and maybe aborted by a later
-            # abort-mode pause): tokens from A, then B's tokens computed on A's KV.
+            # Frozen by an in_place pause A -> B, resumed on B: tokens from A, then B's tokens
+            # computed on A's KV. Retracted A -> B: tokens from A, then B's continuation with
+            # all of the KV recomputed. Either may be aborted by a later abort-mode pause.
             a, b = versions
-            if version != b or not any(
-                (w.mode, w.old, w.new) == ("in_place", a, b) for w in cycles
-            ):
-                return self.violation(f"two versions outside an in_place cycle {a}->{b}: {where}")
-            runs = self.ref.mixed_runs(a, b, prompt)
-            if not any(out == run[: len(out)] if aborted else out == run for run in runs):
-                return self.violation(f"no {a}-then-{b} greedy run gives these outputs: {where}")
-            return self.count("aborted" if aborted else "mixed_in_place")
+            modes = {w.mode for w in cycles if (w.old, w.new) == (a, b)} & {"in_place", "retract"}
+            if version != b or not modes:
+                return self.violation(f"two versions outside a cycle {a}->{b}: {where}")
+            runs = {
+                mode: (self.ref.mixed_runs if mode == "in_place" else self.ref.recomputed_runs)(
+                    a, b, prompt
+                )
+                for mode in modes
+            }
+            for mode, mode_runs in runs.items():
+                if any(out == run[: len(out)] if aborted else out == run for run in mode_runs):
+                    if aborted:
+                        return self.count("aborted")
+                    kind = "mixed_in_place" if mode == "in_place" else "recomputed_across_retract"
+                    return self.count(kind)
+            return self.violation(f"no {a}-then-{b} greedy run gives these outputs: {where}")
         if aborted:
             if versions not in ([], [version]) or out != expected[: len(out)]:
                 return self.violation(f"aborted answer is not a prefix of {version}'s: {where}")
@@ -235,7 +259,7 @@ class Checker:
         if versions != [version] or out != expected:
             return self.violation(f"outputs are not {version}'s ({expected}): {where}")
         if any(w.mode == "retract" and w.new == version and w.end for w in cycles):
-            return self.count("ok_across_retract")  # in flight over a retract pause: rerun
+            return self.count("ok_across_retract")  # retracted before its first token
         return self.count("ok")
 
 

@@ -204,12 +204,17 @@ class Engine:
         return kv + prompt_logprobs.bytes_of(req, cfg.vocab_size, cfg.hidden_size)
 
     def prefill_tokens_of(self, seq: Sequence) -> int:
-        """The prompt tokens a prefill would compute now (the scheduler holds the gate)."""
+        """The tokens admitting it would compute now (the scheduler holds the gate): the prompt's
+        not in the prefix cache; a retracted request's kept KV none, a recomputed one's also
+        each beam's tokens but the last."""
+        if seq.is_started and seq.holds_kv:
+            return 0
+        tail = (seq.beams.num_steps - 1) * seq.num_beams if seq.needs_recompute else 0
         if not self.executor.is_cacheable(seq):
-            return seq.num_prompt_tokens
+            return seq.num_prompt_tokens + tail
         tag = weights_tag(self.gate.label, self.gate.generation)
         limit = prompt_logprobs.cache_limit(seq.req)
-        return seq.num_prompt_tokens - self.cache.peek(seq.prompt_key, tag, limit)
+        return seq.num_prompt_tokens - self.cache.peek(seq.prompt_key, tag, limit) + tail
 
     def poll(self, request_id: str) -> GenerateResult | None:
         with self.gate:
@@ -292,8 +297,9 @@ class Engine:
 
     # ---- pause, weights, cache ----------------------------------------------------------
     def pause(self, mode: str = "abort") -> int:
-        """Stop computing. abort: end every in-flight request (returns how many); retract: drop
-        running requests' KV and queue them again from their prompt; in_place: freeze them."""
+        """Stop computing. abort: end every in-flight request (returns how many); retract:
+        queue running requests again, keeping their tokens (and their KV until a weight write:
+        then they are recomputed); in_place: freeze them with their KV."""
         if mode not in PAUSE_MODES:
             raise ValidationError(f"pause mode must be one of {', '.join(PAUSE_MODES)}")
         with self.gate:
@@ -350,6 +356,7 @@ class Engine:
         with self.gate:
             self.gate.weights_written(label, mix, torn)
             self.cache.drop_entries()
+            self.scheduler.drop_stale_kv()  # retracted requests: recomputed when they run
 
     def relabel(self, label: str, mix: str | None, abort_all_requests: bool = False) -> int:
         """The weights side relabelled the weights (no write; torn tensors stay torn). Running

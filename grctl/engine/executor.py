@@ -90,7 +90,9 @@ class Executor:
 
     def _prefill(self, seqs: list[Sequence], version: str, cache_tag: str) -> None:
         """Prompts sharing a prefix with an earlier one of the batch wait for a second pass,
-        run against the KV the first pass cached."""
+        run against the KV the first pass cached. A retracted request that kept its KV only
+        decodes on; one that lost it is recomputed."""
+        seqs = [s for s in seqs if not s.is_started or s.needs_recompute]
         keys = [s.prompt_key if self.is_cacheable(s) else () for s in seqs]
         waits = self.cache.waits(keys, cache_tag)
         for wave in (False, True):
@@ -109,7 +111,8 @@ class Executor:
                 if self.is_cacheable(seq)
                 else Match()
             )
-            seq.cached_tokens = match.num_tokens
+            if not seq.is_started:  # a recomputed one keeps what its first prefill found
+                seq.cached_tokens = match.num_tokens
             if match.logprobs is not None:  # an exact repeat: no model call
                 started.append((seq, chained(match.parts), match.logprobs))
             else:
@@ -137,7 +140,11 @@ class Executor:
 
     def _start(self, started: list[tuple[Sequence, ContextKV, torch.Tensor]], version: str) -> None:
         """The first token(s) of every started request, from its prefill row, in one step (a
-        prefill-only request, max_new_tokens 0, is done)."""
+        prefill-only request, max_new_tokens 0, is done; a retracted one is recomputed)."""
+        for seq, ctx, _ in started:
+            if seq.is_started:
+                self._recompute(seq, ctx)
+        started = [(seq, ctx, lp) for seq, ctx, lp in started if not seq.is_started]
         cfg = self.runner.config
         for seq, _, _ in started:
             seq.prefilled = True
@@ -170,17 +177,34 @@ class Executor:
         seq.record_version(version)
         if seq.beams.is_done:
             return
-        cfg, sp = self.runner.config, seq.req.sampling
-        seq.ctx = ctx
-        seq.beam_kv = BeamKV(
+        sp = seq.req.sampling
+        seq.ctx, seq.beam_kv = ctx, self._beam_kv(sp.width, sp.max_new_tokens)
+
+    def _beam_kv(self, width: int, max_new_tokens: int) -> BeamKV:
+        cfg = self.runner.config
+        return BeamKV(
             cfg.num_layers,
-            sp.width,
+            width,
             cfg.num_kv_heads,
-            sp.max_new_tokens - 1,
+            max_new_tokens - 1,
             cfg.head_dim,
             self.runner.dtype,
             self.device,
         )
+
+    def _recompute(self, seq: Sequence, ctx: ContextKV) -> None:
+        """A retracted request whose KV a weight write dropped: its prompt was prefilled again
+        (`ctx`); each running beam feeds its own tokens but the last, one decode pass per
+        position, logits unused, so its tails hold its own path's KV under these weights. Its
+        beams, pool and tokens stay as they were; it decodes on from here."""
+        sp, steps = seq.req.sampling, seq.beams.num_steps
+        beam_kv = self._beam_kv(sp.width, sp.max_new_tokens)
+        paths = seq.beams.running_paths()
+        for t in range(steps - 1):
+            self.runner.decode([DecodeItem(ctx, beam_kv, paths[:, t], t)])
+        self.num_prefill_tokens += (steps - 1) * sp.width
+        seq.ctx, seq.beam_kv = ctx, beam_kv  # only now: a failure above leaves it to recompute
+        seq.kv_recomputed_at.append(steps)
 
     def _decode(self, seqs: list[Sequence], version: str) -> None:
         items = [

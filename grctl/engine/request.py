@@ -82,6 +82,10 @@ class GenerateResult:
     beams: list[BeamResult]  # the returned beams, best first (each with its logprobs, when asked)
     weight_version: str  # the version the request finished on
     weight_versions: list[str]  # every version its tokens were computed with, in order
+    # the version of each output position, for every beam alike (beams advance together)
+    token_versions: list[str] = field(default_factory=list)
+    num_retractions: int = 0  # times a retract pause sent it back to the queue
+    kv_recomputed_at: list[int] = field(default_factory=list)  # see Sequence.kv_recomputed_at
     output_token_logprobs: list[float] | None = None  # the top sequence's, when asked
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     prompt_logprobs: PromptLogprobs | None = None  # with return_logprob and logprob_start_len
@@ -91,6 +95,18 @@ class GenerateResult:
     beam_width: int | None = None  # SGLang's form was asked: the width searched
     text: TextOptions = field(default_factory=TextOptions)  # the request's
     extra: dict = field(default_factory=dict)
+
+    def version_spans(self, num_tokens: int) -> list[tuple[str, int, int]]:
+        """(version, start, end) over the first `num_tokens` output positions: half-open,
+        contiguous, two neighbours never of one version (SGLang's weight_versions spans). No
+        token: one empty span of the version it finished on."""
+        spans: list[tuple[str, int, int]] = []
+        for t, version in enumerate(self.token_versions[:num_tokens]):
+            if spans and spans[-1][0] == version:
+                spans[-1] = (version, spans[-1][1], t + 1)
+            else:
+                spans.append((version, t, t + 1))
+        return spans or [(self.weight_version, 0, 0)]
 
     @property
     def completion_tokens(self) -> int:

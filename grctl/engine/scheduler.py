@@ -80,7 +80,7 @@ class Scheduler:
             if prefill and cost > budget:
                 break
             if kv_free is not None:
-                need = self.kv_bytes_of(seq.req)
+                need = 0 if seq.holds_kv else self.kv_bytes_of(seq.req)  # retracted, kept
                 if self.running and need > kv_free:
                     break
                 kv_free -= need
@@ -92,7 +92,11 @@ class Scheduler:
         return prefill, decode
 
     def kv_bytes_running(self) -> int:
-        return sum(self.kv_bytes_of(s.req) for s in self.running)
+        """The KV admitted: the running requests', and the retracted ones' that keep theirs."""
+        return sum(self.kv_bytes_of(s.req) for s in self.holding_kv())
+
+    def holding_kv(self) -> list[Sequence]:
+        return [*self.running, *(s for s in self.waiting if s.holds_kv)]
 
     def remove(self, seq: Sequence) -> None:
         if seq.status is Status.RUNNING:
@@ -103,13 +107,19 @@ class Scheduler:
         seq.status = Status.FINISHED
 
     def retract_running(self) -> int:
-        """Every running request drops its KV and goes back to the front of the queue, in order."""
+        """Every running request goes back to the front of the queue, in order, keeping its
+        tokens and KV (Sequence.retract)."""
         retracted = self.running
         self.running = []
         for seq in reversed(retracted):
             seq.retract()
             self.waiting.appendleft(seq)
         return len(retracted)
+
+    def drop_stale_kv(self) -> int:
+        """The weights were written: retracted requests drop the KV of the old ones (they are
+        recomputed when admitted again). -> how many did."""
+        return sum(seq.drop_stale_kv() for seq in self.waiting)
 
     def all_sequences(self) -> list[Sequence]:
         return [*self.running, *self.waiting]
@@ -118,7 +128,7 @@ class Scheduler:
         """/status "scheduler": what the queues hold."""
         # The worker drops a finished request's KV without the lock (Executor._decode): read
         # each reference once, so a release between a check and the read is no AttributeError.
-        kv = [(s.ctx, s.beam_kv) for s in list(self.running)]
+        kv = [(s.ctx, s.beam_kv) for s in self.holding_kv()]
         parts = {p.storage_key: p for c, _ in kv if c is not None for p in c.parts}
         return {
             "running": len(self.running),
@@ -126,6 +136,7 @@ class Scheduler:
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
             "running_beams": sum(s.num_beams for s in self.running),
+            "retracted_holding_kv": sum(s.holds_kv for s in self.waiting),
             "kv_bytes_budget": self.kv_bytes_budget,  # null: no limit
             "kv_bytes_admitted": self.kv_bytes_running(),
             # the context KV once per request (a prefix shared by several once), the decoded

@@ -44,7 +44,12 @@ class Sequence:
         self.arrival = time.monotonic()
         self.status = Status.WAITING
         self.abort_requested = False  # set while its step computes; the worker ends it after
-        self.weight_versions: list[str] = []
+        # the weight version of every output position: position t of every beam was chosen by
+        # the request's t-th advance, whichever beam it reached later
+        self.token_versions: list[str] = []
+        self.last_version: str | None = None  # of its last step (a prefill-only one has no token)
+        self.num_retractions = 0
+        self.kv_recomputed_at: list[int] = []  # output lengths at which its KV was recomputed
         self._reset()
 
     def _reset(self) -> None:
@@ -77,15 +82,39 @@ class Sequence:
             return self.prefilled
         return self.beams is not None and self.beams.is_done
 
+    @property
+    def is_started(self) -> bool:
+        """Its search has chosen tokens (a retracted one keeps them)."""
+        return self.beams is not None and self.beams.is_started
+
+    @property
+    def needs_recompute(self) -> bool:
+        """Retracted with tokens, and its KV dropped since: the prompt and each beam's tokens
+        must be computed again before it decodes on."""
+        return self.is_started and not self.holds_kv
+
     def record_version(self, version: str) -> None:
-        if not self.weight_versions or self.weight_versions[-1] != version:
-            self.weight_versions.append(version)
+        """Every output position chosen since the last call was chosen under `version`."""
+        num = self.beams.num_steps if self.beams is not None else 0
+        self.token_versions.extend([version] * (num - len(self.token_versions)))
+        self.last_version = version
 
     def retract(self) -> None:
-        """Drop the KV and outputs: the request restarts from its prompt when admitted again."""
-        self._reset()
-        self.weight_versions = []
+        """Back to the queue (SGLang's retract): a request that has chosen tokens keeps them,
+        its beams and its KV, and continues where it was; a weight write before it runs again
+        drops the KV (`drop_stale_kv`) and it is recomputed. One not started restarts."""
+        self.num_retractions += 1
+        if not self.is_started:
+            self._reset()
+            self.last_version = None
         self.status = Status.WAITING
+
+    def drop_stale_kv(self) -> bool:
+        """The weights were written while it waited retracted: its KV is of the old ones."""
+        if not (self.is_started and self.holds_kv):
+            return False
+        self.release_kv()
+        return True
 
     def release_kv(self) -> None:
         self.ctx = None
@@ -100,7 +129,9 @@ class Sequence:
         reason = "abort" if aborted or top is None else top.finish_reason
         if not aborted and self.req.sampling.max_new_tokens == 0 and self.prefilled:
             reason = "length"
-        versions = list(self.weight_versions)
+        versions = distinct(self.token_versions)
+        if not versions and self.last_version is not None:  # prefill only: the prompt's
+            versions = [self.last_version]
         return GenerateResult(
             request_id=self.request_id,
             prompt_tokens=self.num_prompt_tokens,
@@ -110,6 +141,9 @@ class Sequence:
             beams=beams,
             weight_version=versions[-1] if versions else weight_version,
             weight_versions=versions,
+            token_versions=list(self.token_versions),
+            num_retractions=self.num_retractions,
+            kv_recomputed_at=list(self.kv_recomputed_at),
             output_token_logprobs=(top.output_token_logprobs if top else [])
             if self.req.return_logprob
             else None,
@@ -137,3 +171,8 @@ class Sequence:
             tokens = list(beam.output_ids)
             out.append(ItemResult(rank, tokens, fresh, bool(fresh), beam.sequence_score))
         return out
+
+
+def distinct(versions: list[str]) -> list[str]:
+    """The versions in order, each run of one version once."""
+    return [v for i, v in enumerate(versions) if i == 0 or versions[i - 1] != v]

@@ -111,6 +111,15 @@ LogprobEntry = tuple[float, int, str | None]
 InputLogprobEntry = tuple[float | None, int, str | None]
 
 
+class WeightVersionSpan(Struct, kw_only=True):
+    """Output tokens [start, end) were computed with weights `version` (SGLang's
+    meta_info.weight_versions entry): spans are contiguous from 0, neighbours differ."""
+
+    version: str = ""
+    start: int = 0
+    end: int = 0
+
+
 class BeamMetaInfo(Struct, kw_only=True, omit_defaults=True):
     sequence_score: float = 0.0  # cumulative log-probability of output_ids (after processors)
     finish_reason: FinishReason | None = None
@@ -118,6 +127,7 @@ class BeamMetaInfo(Struct, kw_only=True, omit_defaults=True):
     completion_tokens: int | None = None
     output_token_logprobs: list[LogprobEntry] | None = None  # this beam's, with return_logprob
     output_top_logprobs: list[list[LogprobEntry]] | None = None  # with top_logprobs_num
+    weight_versions: list[WeightVersionSpan] | None = None  # over this beam's output_ids
 
 
 class StrictBeamMetaInfo(BeamMetaInfo, kw_only=True, omit_defaults=True):
@@ -139,11 +149,15 @@ class MetaInfo(Struct, kw_only=True):
     completion_tokens: int = 0
     cached_tokens: int = 0
     finish_reason: FinishReason = msgspec.field(default_factory=FinishReason)
-    weight_version: str = ""
-    weight_versions: list[str] = msgspec.field(default_factory=list)
+    weight_version: str = ""  # the version of the last output token (of the top beam)
+    weight_versions: list[WeightVersionSpan] = msgspec.field(default_factory=list)  # output_ids'
+    num_retractions: int = 0  # times a retract pause sent it back to the queue (SGLang)
     beam_width: int = 1
     beam_results: list[BeamOut] = msgspec.field(default_factory=list)
     e2e_latency: float = 0.0
+    # retracted, then a weight write dropped its KV: the output lengths at which its prompt and
+    # generated tokens were computed again under the weights of that time
+    kv_recomputed_at: list[int] | None = None
     sequence_score: float | None = None  # beam_width form: beam 0's (SGLang)
     # the top beam's, with return_logprob; every beam's own under beam_results
     output_token_logprobs: list[LogprobEntry] | None = None
@@ -167,7 +181,8 @@ class StrictMetaInfo(MetaInfo, kw_only=True, omit_defaults=True):
     cached_tokens: int
     finish_reason: FinishReason
     weight_version: str
-    weight_versions: list[str]
+    weight_versions: list[WeightVersionSpan]
+    num_retractions: int
     beam_width: int
     beam_results: list[BeamOut]
     e2e_latency: float

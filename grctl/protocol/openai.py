@@ -13,7 +13,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta, Struct
 
-from grctl.protocol.generate import FinishReason
+from grctl.protocol.generate import FinishReason, WeightVersionSpan
 
 PosInt = Annotated[int, Meta(ge=1)]
 TokenId = Annotated[int, Meta(ge=0)]
@@ -90,7 +90,7 @@ class ChoiceMeta(Struct, kw_only=True, omit_defaults=True):
     sequence_score: float = 0.0
     finish_reason: FinishReason = msgspec.field(default_factory=FinishReason)
     weight_version: str = ""
-    weight_versions: list[str] = msgspec.field(default_factory=list)
+    weight_versions: list[WeightVersionSpan] = msgspec.field(default_factory=list)  # output_ids'
     request_id: str = ""
     # with an item catalog
     item_ids: list[int | str] | None = None
@@ -103,7 +103,7 @@ class Metadata(Struct, kw_only=True):
     """SGLang's `metadata` on a reply: the versions of its first request."""
 
     weight_version: str = ""
-    weight_versions: list[str] = msgspec.field(default_factory=list)
+    weight_versions: list[WeightVersionSpan] = msgspec.field(default_factory=list)
 
 
 class CompletionLogprobs(Struct, kw_only=True):

@@ -235,7 +235,8 @@ def test_strict_replies_leave_out_only_unset_optional_keys():
     finish = generate.FinishReason(type="length", length=0)
     meta = generate.StrictMetaInfo(
         id="r", prompt_tokens=1, completion_tokens=0, cached_tokens=0, finish_reason=finish,
-        weight_version="", weight_versions=[], beam_width=1, beam_results=[], e2e_latency=0.0,
+        weight_version="", weight_versions=[], num_retractions=0, beam_width=1, beam_results=[],
+        e2e_latency=0.0,
     )  # fmt: skip
     sent = msgspec.to_builtins(meta)
     assert set(sent) == field_names(generate.MetaInfo) - {
@@ -247,6 +248,7 @@ def test_strict_replies_leave_out_only_unset_optional_keys():
         "input_top_logprobs",
         "item_results",
         "catalog_version",
+        "kv_recomputed_at",
     }
     assert sent["finish_reason"] == {"type": "length", "length": 0}
     ok = info.StrictFlushCacheResponse(success=True, entries_cleared=0)

@@ -88,7 +88,7 @@ def check_answers(http: httpx.Client, ckpts: dict) -> list[int]:
             assert resp.json()["error"]["code"] in ("paused", "weights_mixed"), resp.text
             continue
         meta = resp.json()["meta_info"]
-        assert meta["weight_versions"] == [meta["weight_version"]], meta
+        assert [s["version"] for s in meta["weight_versions"]] == [meta["weight_version"]], meta
         assert resp.json()["output_ids"] == ckpts[meta["weight_version"]]["greedy"][i]
     return statuses
 

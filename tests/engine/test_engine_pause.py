@@ -78,25 +78,35 @@ def test_abort_ends_everything_in_flight(model):
     eng.submit(requests()[0])
 
 
-def test_retract_restarts_from_the_prompt(model, reference):
+def test_retract_keeps_tokens_and_a_write_recomputes_their_kv(model, reference):
+    """Retracted requests keep their tokens; a write while they wait drops their KV, and they
+    are recomputed (prompt, then each beam's tokens) and decode on: written with the same
+    weights, every beam ends as if never paused."""
     eng = make(model)
     ids = in_flight(eng)
     assert eng.flush_cache() == (False, 0)  # running requests hold KV
     assert eng.pause("retract") == 0
     sched = eng.status()["scheduler"]
     assert sched["running"] == 0 and sched["waiting"] == 3 and sched["pause_mode"] == "retract"
-    assert eng.flush_cache(timeout=0) == (True, 2)  # waiting requests hold no KV
+    assert sched["retracted_holding_kv"] == 2
+    assert eng.flush_cache(timeout=0) == (True, 2)  # retracted requests do not block it
     assert not eng.run_step()
-    with eng.exclusive() as aborted:  # an update while they wait: they restart on v2 alone
+    with eng.exclusive() as aborted:  # a write while they wait: their KV is of old weights
         assert aborted == 0
         eng.weights_written("v2", mix=None)
+    assert eng.status()["scheduler"]["retracted_holding_kv"] == 0
     eng.resume()
     run_all(eng)
     results = [eng.result(i) for i in ids]
     assert same_outputs(results, reference)
-    assert all(r.weight_versions == ["v2"] and r.finish_reason == "length" for r in results)
-    assert eng.status()["scheduler"]["prefill_tokens"] == 2 * sum(map(len, PROMPTS[:2])) + len(
-        PROMPTS[2]
+    assert all(r.finish_reason == "length" for r in results)
+    assert [r.token_versions for r in results] == [["default"] * 2 + ["v2"] * 4] * 2 + [["v2"] * 6]
+    assert [(r.num_retractions, r.kv_recomputed_at) for r in results] == [(1, [2])] * 2 + [(0, [])]
+    # the two prompts twice, their one kept token per beam, the third prompt once
+    recomputed = 1 * 1 + 1 * 4
+    assert (
+        eng.status()["scheduler"]["prefill_tokens"]
+        == 2 * sum(map(len, PROMPTS[:2])) + len(PROMPTS[2]) + recomputed
     )
 
 

@@ -125,7 +125,9 @@ def test_beams_are_choices_best_first(oa, http, ckpt):
     assert scores == pytest.approx([b["meta_info"]["sequence_score"] for b in beams])
     assert scores == sorted(scores, reverse=True)
     assert {c.meta_info["weight_version"] for c in out.choices} == {"default"}
-    assert out.metadata == {"weight_version": "default", "weight_versions": ["default"]}
+    top = len(out.choices[0].meta_info["output_ids"])
+    spans = [{"version": "default", "start": 0, "end": top}]
+    assert out.metadata == {"weight_version": "default", "weight_versions": spans}
 
 
 def test_chat_goes_through_the_template(oa, ckpt):

@@ -35,7 +35,9 @@ def test_generate_greedy_shape(http):
     assert meta["id"] == "greedy-1"
     assert meta["finish_reason"] == {"type": "length", "length": 3}
     assert meta["prompt_tokens"] == 3 and meta["completion_tokens"] == 3
-    assert meta["weight_version"] == "default" and meta["weight_versions"] == ["default"]
+    assert meta["weight_version"] == "default" and meta["weight_versions"] == [
+        {"version": "default", "start": 0, "end": 3}
+    ]
     assert meta["beam_width"] == 1 and len(meta["beam_results"]) == 1
     assert meta["beam_results"][0]["output_ids"] == ids
     assert "output_token_logprobs" not in meta

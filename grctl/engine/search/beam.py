@@ -149,6 +149,17 @@ class Beams:
     def last_tokens(self) -> torch.Tensor:
         return self.state.run_i[self.row, : self.width, TOKEN]
 
+    def running_paths(self) -> torch.Tensor:
+        """Every running beam's tokens so far, [w, num_steps] (a dead beam's are dummy 0s):
+        each beam's own path, walked back through its parents."""
+        hist = torch.stack([st.run_i[r, : self.width] for st, r in self.history])  # [T, w, 3]
+        beam = torch.arange(self.width, device=hist.device)
+        cols = []
+        for t in range(self.num_steps - 1, -1, -1):
+            cols.append(hist[t, beam, TOKEN])
+            beam = hist[t, beam, PARENT].clamp(0, self.width - 1)
+        return torch.stack(cols[::-1], 1).clamp(min=0)
+
     def finish_running(self, stop_string: str) -> None:
         """End a width-1 search on its running beam, matched by a stop string."""
         s, i = self.state, self.row

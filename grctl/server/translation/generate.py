@@ -19,6 +19,7 @@ from grctl.protocol.generate import (
     SamplingParamsBody,
     StrictBeamMetaInfo,
     StrictMetaInfo,
+    WeightVersionSpan,
 )
 from grctl.server.translation.sampling import check_body, sampling_of, text_options_of
 
@@ -227,8 +228,15 @@ def _beam_out(
             completion_tokens=completion_tokens,
             output_token_logprobs=lps,
             output_top_logprobs=_top_entries(b.output_top_logprobs, tokenizer, opts),
+            weight_versions=spans_of(result, len(b.output_ids)),
         ),
     )
+
+
+def spans_of(result: GenerateResult, num_tokens: int) -> list[WeightVersionSpan]:
+    return [
+        WeightVersionSpan(version=v, start=a, end=b) for v, a, b in result.version_spans(num_tokens)
+    ]
 
 
 def _items(result: GenerateResult) -> list[ItemResultOut] | None:
@@ -271,7 +279,8 @@ def to_response(result: GenerateResult, tokenizer: Any | None = None) -> Generat
         cached_tokens=result.cached_tokens,
         finish_reason=_finish_of(result, 0, None),
         weight_version=result.weight_version,
-        weight_versions=list(result.weight_versions),
+        weight_versions=spans_of(result, len(result.output_ids)),
+        num_retractions=result.num_retractions,
         beam_width=result.beam_width or max(1, len(result.beams)),
         beam_results=beams,
         e2e_latency=result.latency_s,
@@ -283,6 +292,7 @@ def to_response(result: GenerateResult, tokenizer: Any | None = None) -> Generat
         input_top_logprobs=in_top if in_top is not None else None if top_lps is None else [],
         item_results=_items(result),
         catalog_version=result.catalog_version,
+        kv_recomputed_at=result.kv_recomputed_at or None,
     )
     text = beam_text(top, tokenizer, result.text) if top is not None else ""
     return GenerateResponse(text=text, output_ids=result.output_ids, meta_info=meta)

@@ -25,7 +25,7 @@ from grctl.protocol.openai import (
     OpenAIBody,
     Usage,
 )
-from grctl.server.translation.generate import finish_reason
+from grctl.server.translation.generate import finish_reason, spans_of
 
 try:  # what a chat template raises (jinja2 comes with transformers' chat templates)
     from jinja2.exceptions import TemplateError
@@ -289,7 +289,7 @@ def choices_of(
                     kind, ids, matched, None if item is None else item.item_id
                 ),
                 weight_version=result.weight_version,
-                weight_versions=list(result.weight_versions),
+                weight_versions=spans_of(result, len(ids)),
                 request_id=result.request_id,
                 item_ids=None if item is None else item.item_ids,
                 item_id=None if item is None else item.item_id,
@@ -337,7 +337,8 @@ def usage_of(results: list[GenerateResult]) -> Usage:
 
 def metadata_of(results: list[GenerateResult]) -> Metadata:
     first = results[0]
-    return Metadata(weight_version=first.weight_version, weight_versions=first.weight_versions)
+    spans = spans_of(first, len(first.output_ids))
+    return Metadata(weight_version=first.weight_version, weight_versions=spans)
 
 
 def created_now() -> int:
