@@ -168,10 +168,15 @@ class WeightUpdater:
 
     def reset_tensors(self, skip: list[str] | None = None) -> int:
         """weights_checker reset_tensors: overwrite every tensor not in `skip` (name substrings)
-        with noise, in place."""
-        from grctl.weights.checker import WeightsChecker
+        with noise, in place. Noise is no checkpoint: every reset tensor is marked torn, as
+        after a failed copy, so nothing is served (503, /ready says weights_inconsistent) until
+        each of them is written again."""
+        from grctl.weights.checker import WeightsChecker, checked_views
 
         with self._lock, self.engine.exclusive(False):
-            n = WeightsChecker.reset_tensors(self.model, skip)
-            self._tell_engine(None)  # noise is no copy: torn marks stay as they are
-            return n
+            names = [name for name, _ in checked_views(self.model, skip)]
+            self.versions.tear(names)  # before the first write: a failure part-way is torn too
+            try:
+                return WeightsChecker.reset_tensors(self.model, skip)
+            finally:
+                self._tell_engine(None)

@@ -117,7 +117,7 @@ class WeightVersions:
         if not torn:
             return None
         shown = ", ".join(torn[:8]) + (f" and {len(torn) - 8} more" if len(torn) > 8 else "")
-        return f"{len(torn)} tensors hold bytes of a failed copy: {shown}"
+        return f"{len(torn)} tensors hold bytes of no checkpoint (a failed copy or reset): {shown}"
 
     def relabel(self, label: str) -> None:
         """/update_weight_version: every tensor takes `label` (an operator's word for the mix).

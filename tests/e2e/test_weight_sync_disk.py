@@ -232,7 +232,15 @@ def test_weights_checker_snapshot_reset_compare(http, ckpts):
     resp = http.post("/weights_checker", json={"action": "compare"})
     err = assert_error(resp, 400, "validation_error")
     assert "gate_up_proj" in err["message"] and "max_abs_err" in err["message"]
+    # Noise under the old label is no checkpoint: nothing is served until it is rewritten.
+    ready = http.get("/ready")
+    assert ready.status_code == 503 and "weights_inconsistent" in ready.text
+    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}}
+    assert_error(http.post("/generate", json=body), 503, "weights_inconsistent")
+    assert http.get("/get_weight_version").json()["weights_torn"] is True
     restore(http, ckpts["base"])
+    assert http.get("/ready").status_code == 200
+    assert http.post("/generate", json=body).status_code == 200
     assert http.post("/weights_checker", json={"action": "compare"}).status_code == 200
     assert_error(http.post("/weights_checker", json={"action": "explode"}), 400, "validation_error")
 
