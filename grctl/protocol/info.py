@@ -23,10 +23,66 @@ class ReadyResponse(Struct, kw_only=True):
     num_in_flight: int = 0
 
 
-class LoadsResponse(Struct, kw_only=True):
-    num_reqs: int = 0
-    num_waiting_reqs: int = 0
+class LoadMemory(Struct, kw_only=True):
+    weight_gb: float = 0.0
+    kv_cache_gb: float = 0.0
+    graph_gb: float = 0.0
+    token_capacity: int = 0
+
+
+class LoadDisaggregation(Struct, kw_only=True):
+    mode: str = "null"  # grctl serves prefill and decode together
+    prefill_bootstrap_queue_reqs: int = 0
+    prefill_inflight_queue_reqs: int = 0
+    decode_prealloc_queue_reqs: int = 0
+    decode_transfer_queue_reqs: int = 0
+    decode_retracted_queue_reqs: int = 0
+    kv_transfer_speed_gb_s: float = 0.0
+    kv_transfer_latency_ms: float = 0.0
+
+
+class LoadQueues(Struct, kw_only=True):
+    waiting: int = 0
+    grammar: int = 0
+    paused: int = 0
+    retracted: int = 0
+    prealloc_ready: int = 0
+
+
+class Load(Struct, kw_only=True):
+    """One data-parallel rank's load, SGLang's core keys always, a section when asked for."""
+
+    timestamp: float = 0.0
+    dp_rank: int = 0
     num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    num_waiting_uncached_tokens: int = 0
+    num_used_tokens: int = 0
+    num_total_tokens: int = 0
+    num_active_tokens: int = 0
+    num_prealloc_ready_tokens: int = 0
+    max_total_num_tokens: int = 0
+    max_running_requests: int = 0
+    token_usage: float = 0.0
+    gen_throughput: float = 0.0
+    cache_hit_rate: float = 0.0
+    utilization: float = 0.0
+    total_prefill_uncached_tokens: int = 0
+    total_prefill_busy_us: int = 0
+    decode_moments: list[float] | None = None
+    memory: LoadMemory | msgspec.UnsetType = msgspec.UNSET
+    disaggregation: LoadDisaggregation | msgspec.UnsetType = msgspec.UNSET
+    queues: LoadQueues | msgspec.UnsetType = msgspec.UNSET
+
+
+class LoadsResponse(Struct, kw_only=True):
+    """GET /loads and /v1/loads: SGLang's /v1/loads reply (one rank: grctl serves on one)."""
+
+    timestamp: str = ""  # ISO 8601, UTC
+    version: str = ""
+    accelerator: str | None = None  # the GPU's name; null on the CPU
+    num_accelerators: int = 1
+    loads: list[Load] = msgspec.field(default_factory=list)
 
 
 class ServerInfo(Struct, kw_only=True):

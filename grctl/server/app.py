@@ -37,6 +37,7 @@ from grctl.server.router import router_membership
 from grctl.server.routes.catalog import catalog_routes
 from grctl.server.routes.generate import generate_routes
 from grctl.server.routes.info import info_routes
+from grctl.server.routes.loads import loads_routes
 from grctl.server.routes.memory import memory_router
 from grctl.server.routes.openai import openai_routes
 from grctl.server.routes.profile import profile_routes
@@ -95,6 +96,7 @@ def create_app(engine: Any, config: ServeConfig, tokenizer: Any | None = None) -
         route_handlers=[
             *generate_routes,
             *info_routes,
+            *loads_routes,
             weight_router,
             update_router,
             memory_router,

@@ -88,7 +88,7 @@ def test_disk_update_sequence(srv, ckpts):
     waiter = threading.Thread(target=lambda: replies.append(post(url, "/generate", long)))
     waiter.start()
     deadline = time.monotonic() + 30
-    while httpx.get(url + "/v1/loads").json()["num_reqs"] < 1:
+    while httpx.get(url + "/v1/loads").json()["loads"][0]["num_running_reqs"] < 1:
         assert time.monotonic() < deadline
         time.sleep(0.005)
     first, second = pause_twice(url)

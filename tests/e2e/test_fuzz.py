@@ -47,6 +47,7 @@ GET_ROUTES = [
     "/server_info",
     "/model_info",
     "/v1/loads",
+    "/loads",
     "/get_weight_version",
     "/get_weights_by_name",
     "/flush_cache",
@@ -262,6 +263,88 @@ def cases(root: Path) -> list[tuple[str, str, object]]:
             "/update_weights_from_disk",
             {"model_path": str(root / "weights" / "base"), "load_format": "gguf"},
         ),
+        # grctl's sampling fields inside sampling_params.custom_params (what smg passes on)
+        ("POST", "/generate", {"input_ids": [1], "sampling_params": {"custom_params": "x"}}),
+        ("POST", "/generate", {"input_ids": [1], "sampling_params": {"custom_params": [1]}}),
+        ("POST", "/generate", {"input_ids": [1], "sampling_params": {"custom_params": {"z": 1}}}),
+        (
+            "POST",
+            "/generate",
+            {"input_ids": [1], "sampling_params": {"custom_params": {"custom_params": {"n": 2}}}},
+        ),
+        (
+            "POST",
+            "/generate",
+            {"input_ids": [1], "sampling_params": {"custom_params": {"beam_width": -1}}},
+        ),
+        (
+            "POST",
+            "/generate",
+            {"input_ids": [1], "sampling_params": {"custom_params": {"beam_width": 10**9}}},
+        ),
+        (
+            "POST",
+            "/generate",
+            {"input_ids": [1], "sampling_params": {"custom_params": {"max_new_tokens": 10**12}}},
+        ),
+        (
+            "POST",
+            "/generate",
+            {"input_ids": [1], "sampling_params": {"custom_params": {"exclude_item_ids": [1]}}},
+        ),
+        (
+            "POST",
+            "/generate",
+            {"input_ids": [1], "sampling_params": {"custom_params": {"exclude_item_ids": 7}}},
+        ),
+        (
+            "POST",
+            "/generate",
+            {"input_ids": [1], "sampling_params": {"custom_params": {"seed": 2**80}}},
+        ),
+        (
+            "POST",
+            "/generate",
+            {"input_ids": [1], "sampling_params": {"custom_params": {"length_penalty": "x"}}},
+        ),
+        (
+            "POST",
+            "/generate",
+            {
+                "input_ids": [1],
+                "sampling_params": {"custom_params": {"logits_processors": [{"type": "exec"}]}},
+            },
+        ),
+        (
+            "POST",
+            "/generate",
+            {
+                "input_ids": [1],
+                "sampling_params": {"n": 2, "beam_width": 2, "custom_params": {"beam_width": 4}},
+            },
+        ),
+        (
+            "POST",
+            "/generate",
+            {
+                "input_ids": [[1], [2]],
+                "sampling_params": [{}, {"custom_params": {"frequency_penalty": 1}}],
+            },
+        ),
+        ("POST", "/submit", {"input_ids": [1], "sampling_params": {"custom_params": {"q": 0}}}),
+        (
+            "POST",
+            "/submit_many",
+            {"requests": [{"input_ids": [1], "sampling_params": {"custom_params": [None]}}]},
+        ),
+        # /loads queries
+        ("GET", "/loads?include=bogus", None),
+        ("GET", "/v1/loads?include=core,,memory", None),
+        ("GET", "/loads?include=../../etc", None),
+        ("GET", "/loads?format=xml", None),
+        ("GET", "/v1/loads?format=", None),
+        ("GET", "/loads?dp_rank=abc", None),
+        ("GET", "/loads?dp_rank=1.5", None),
         # unknown routes and methods
         ("DELETE", "/generate", None),
         ("GET", "/update_weights_from_disk", None),
@@ -407,6 +490,51 @@ def test_random_bodies_never_5xx(http, route, body):
     finally:
         http.post("/continue_generation")
     assert resp.status_code < 500, (route, body, resp.text[:300])
+
+
+CUSTOM_KEYS = [
+    "beam_width",
+    "use_catalog",
+    "exclude_item_ids",
+    "length_penalty",
+    "seed",
+    "temperature",
+    "logits_processors",
+    "stop_token_ids",
+    "custom_params",
+    "frequency_penalty",
+    "bogus",
+]
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    custom=JSONISH | st.dictionaries(st.sampled_from(CUSTOM_KEYS), JSONISH, max_size=4),
+    beside=st.dictionaries(st.sampled_from(CUSTOM_KEYS[:6]), JSONISH, max_size=2),
+)
+def test_random_custom_params_never_5xx(http, custom, beside):
+    sp = {**beside, "max_new_tokens": 2, "custom_params": custom}
+    body = {"input_ids": [3, 4, 5], "sampling_params": sp}
+    resp = http.post(
+        "/generate",
+        content=json.dumps(body, allow_nan=True),
+        headers={"content-type": "application/json"},
+    )
+    assert resp.status_code < 500, (body, resp.text[:300])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    query=st.dictionaries(
+        st.sampled_from(["include", "format", "dp_rank", "model"]), st.text(max_size=30)
+    )
+)
+def test_random_loads_queries_never_5xx(http, query):
+    for route in ("/loads", "/v1/loads"):
+        resp = http.get(route, params=query)
+        assert resp.status_code < 500, (route, query, resp.text[:300])
+        if resp.status_code >= 400:
+            check_4xx(resp)
 
 
 def test_still_serving_the_same_model(http, baseline):

@@ -68,7 +68,8 @@ def test_batch_generate_answers_each_prompt_in_order(app, ckpts):
             "duplicate_request_id",
         )
         assert_error(http.post("/submit", json={"input_ids": PROMPTS}), 400, "validation_error")
-        assert http.get("/v1/loads").json()["num_reqs"] == 0  # nothing was left queued
+        (load,) = http.get("/v1/loads").json()["loads"]
+        assert load["num_running_reqs"] + load["num_waiting_reqs"] == 0  # nothing left queued
 
 
 def test_verl_colocate_cycle(srv, ckpts):

@@ -18,7 +18,6 @@ from grctl.protocol.info import (
     FlushCacheBody,
     FlushCacheResponse,
     HealthResponse,
-    LoadsResponse,
     ModelInfo,
     ParallelismConfig,
     ReadyResponse,
@@ -80,16 +79,6 @@ async def metrics(state: State) -> str:
     gauges["gr_ready"] = float(not engine.ready_reasons())
     gauges["gr_in_flight_requests"] = float(engine.num_in_flight())
     return state.metrics.render(gauges, counters)
-
-
-@get("/v1/loads", summary="Request counts, as SGLang reports them to slime's abort loop")
-async def loads(state: State) -> LoadsResponse:
-    scheduler = state.engine.status()["scheduler"]
-    return LoadsResponse(
-        num_reqs=state.engine.num_in_flight(),
-        num_waiting_reqs=scheduler["num_waiting"],
-        num_running_reqs=scheduler["num_running"],
-    )
 
 
 WILDCARD_HOSTS = ("", "0.0.0.0", "::")
@@ -233,7 +222,6 @@ info_routes = [
     ready,
     status,
     metrics,
-    loads,
     server_info,
     parallelism_config,
     model_info,

@@ -21,7 +21,12 @@ from grctl.protocol.generate import (
     StrictMetaInfo,
     WeightVersionSpan,
 )
-from grctl.server.translation.sampling import check_body, sampling_of, text_options_of
+from grctl.server.translation.sampling import (
+    check_body,
+    sampling_of,
+    text_options_of,
+    with_custom_params,
+)
 
 log = logging.getLogger("grctl.server")
 
@@ -98,7 +103,7 @@ def to_requests(
     detokenize = tokenizer.decode if tokenizer is not None else None
     reqs = []
     for row, sp, rid, start in zip(rows, params, rids, starts, strict=True):
-        sp = sp or SamplingParamsBody()
+        sp = with_custom_params(sp or SamplingParamsBody())
         reqs.append(
             GenerateRequest(
                 input_ids=tuple(row),

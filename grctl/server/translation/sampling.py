@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from grctl.engine.request import SamplingParams, TextOptions
 from grctl.engine.search.logits_processors import parse_logits_processors
 from grctl.errors import ValidationError
@@ -26,7 +28,6 @@ _NEUTRAL: dict[str, tuple] = {
     "ebnf": ("",),
     "structural_tag": ("",),
     "logit_bias": ({},),
-    "custom_params": ({},),
     "watermark": ({},),
     "choice": ((),),
 }
@@ -67,6 +68,50 @@ def refuse_unimplemented(obj: Any, table: dict[str, tuple], where: str) -> None:
 def check_body(body: GenerateBody) -> None:
     """The top-level logprob and output options grctl does not implement: a 400 naming them."""
     refuse_unimplemented(body, _NEUTRAL_TOP, "")
+
+
+# sampling_params fields custom_params may carry: every one grctl implements. A gateway that
+# rebuilds SGLang's SamplingParams (smg) keeps custom_params whole and drops the fields SGLang
+# does not know (beam_width, use_catalog, exclude_item_ids, length_penalty, ...).
+CUSTOM_FIELDS = frozenset(SamplingParamsBody.__struct_fields__) - set(_NEUTRAL) - {"custom_params"}
+_DEFAULTS = SamplingParamsBody()
+
+
+def with_custom_params(sp: SamplingParamsBody) -> SamplingParamsBody:
+    """sampling_params with the fields of its custom_params set (docs/http-api.md): a field set
+    both there and beside it to another value is a 400, as is a key grctl does not serve."""
+    extra = sp.custom_params
+    if extra is None:
+        return sp
+    if not isinstance(extra, dict):
+        raise ValidationError(
+            "sampling_params.custom_params must be an object of sampling_params fields",
+            hint='e.g. {"beam_width": 8, "exclude_item_ids": [3, 9]}',
+        )
+    unknown = sorted(k for k in extra if k not in CUSTOM_FIELDS)
+    if unknown:
+        raise ValidationError(
+            f"sampling_params.custom_params {', '.join(map(repr, unknown))}: not a grctl "
+            "sampling field",
+            hint="custom_params carries grctl's own sampling_params fields (beam_width, "
+            "use_catalog, exclude_item_ids, length_penalty, ...); leave other keys out",
+        )
+    fields = {**msgspec.structs.asdict(sp), **extra, "custom_params": None}
+    try:
+        merged = msgspec.convert(fields, SamplingParamsBody, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ValidationError(f"sampling_params.custom_params: {exc}") from exc
+    clash = [
+        k
+        for k in extra
+        if getattr(sp, k) != getattr(_DEFAULTS, k) and getattr(sp, k) != getattr(merged, k)
+    ]
+    if clash:
+        raise ValidationError(
+            f"sampling_params and its custom_params set {', '.join(sorted(clash))} differently",
+            hint="send each field once",
+        )
+    return merged
 
 
 def sampling_of(body: GenerateBody, sp: SamplingParamsBody) -> SamplingParams:
