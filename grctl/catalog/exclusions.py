@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from grctl.errors import ValidationError
+
 if TYPE_CHECKING:
     from grctl.catalog.store import Catalog
 
@@ -64,11 +66,20 @@ class _Index:
         return self.order[np.concatenate([np.arange(a, b) for a, b in zip(lo, hi, strict=True)])]
 
 
+INT64 = (-(2**63), 2**63 - 1)
+
+
 def _as_int(x: object) -> int | None:
+    """An id of an integer catalog (an int or its digits), None for what names no item; one
+    past int64 (no item id can be) is a 400."""
     try:
-        return int(x) if not isinstance(x, bool) else None
-    except (TypeError, ValueError):
+        value = int(x) if not isinstance(x, bool) else None
+    except (TypeError, ValueError):  # not digits, or more than Python converts
         return None
+    if value is not None and not INT64[0] <= value <= INT64[1]:
+        shown = str(x) if len(str(x)) <= 30 else str(x)[:30] + "..."
+        raise ValidationError(f"exclude_item_ids holds {shown}, past the int64 range of item ids")
+    return value
 
 
 def _reachable_paths(child_offsets: np.ndarray, terminal: np.ndarray, parent: np.ndarray):

@@ -239,3 +239,14 @@ def test_reload_off_without_flag(tmp_path):
         assert client.get("/catalog/status").json()["loaded"] is False
         meta = generate(client)
         assert "item_results" not in meta and "catalog_version" not in meta
+
+
+@pytest.mark.parametrize("bad", [2**63, -(2**63) - 1, "9" * 30, 2**64 - 1])
+def test_exclusions_past_int64_are_a_400(served, bad):
+    _, client, _, _ = served
+    for route in ("/generate", "/submit"):
+        body = {"input_ids": [1, 7, 300], "sampling_params": {"n": 2, "exclude_item_ids": [1, bad]}}
+        err = assert_error(client.post(route, json=body), 400, "validation_error")
+        assert "int64" in err["message"] and len(err["message"]) < 200
+    ok = {"input_ids": [1, 7, 300], "sampling_params": {"n": 2, "exclude_item_ids": [2**63 - 1]}}
+    assert client.post("/generate", json=ok).status_code == 200  # the largest id is fine

@@ -1,9 +1,11 @@
 """Generation routes: /generate, /submit, /submit_many, /poll, /result, /cancel, /abort_request.
 
-Engine calls that wait (generate, result) run in a worker thread (offload.py); the others only
-take the engine's lock briefly (it is never held during a model step), so they run on the event
-loop. /generate takes one prompt or, as SGLang does, a batch: input_ids [[...], ...] (or text
-[...]) answers a list of replies in order, computed in the same engine batch.
+Engine calls that wait (generate, result) run in a worker thread (offload.py), and so does
+every piece of CPU work on a body or a reply (tokenizing text, parsing exclusions at submit,
+building replies); the rest only takes the engine's lock briefly (it is never held during a
+model step), so it runs on the event loop. /generate takes one prompt or, as SGLang does, a
+batch: input_ids [[...], ...] (or text [...]) answers a list of replies in order, computed in
+the same engine batch.
 """
 
 from __future__ import annotations
@@ -63,11 +65,15 @@ async def run_to_end(state: State, reqs: list[GenerateRequest]) -> list[Generate
 async def generate(
     state: State, request: Request, data: Annotated[GenerateBody | None, Body()] = None
 ) -> GenerateResponse | list[GenerateResponse]:
-    reqs, is_batch = to_requests(data or GenerateBody(), state.tokenizer)
+    reqs, is_batch = await offload(state, to_requests, data or GenerateBody(), state.tokenizer)
     # A client that goes away cancels its requests (run_to_end's on_cancel).
     results = await unless_disconnected(request, lambda: run_to_end(state, reqs))
-    replies = [to_response(r, state.tokenizer) for r in results]
+    replies = await offload(state, responses, results, state.tokenizer)
     return replies if is_batch else replies[0]
+
+
+def responses(results: list[GenerateResult], tokenizer) -> list[GenerateResponse]:
+    return [to_response(r, tokenizer) for r in results]
 
 
 @post(
@@ -79,10 +85,11 @@ async def generate(
 async def submit(
     state: State, data: Annotated[GenerateBody | None, Body()] = None
 ) -> SubmitResponse:
-    reqs, is_batch = to_requests(data or GenerateBody(), state.tokenizer)
+    reqs, is_batch = await offload(state, to_requests, data or GenerateBody(), state.tokenizer)
     if is_batch:
         raise BadRequest("/submit takes one prompt", hint="use /submit_many for a batch")
-    return SubmitResponse(request_id=state.engine.submit(reqs[0]))
+    # submit parses the request's exclusions against the catalog: off the event loop too
+    return SubmitResponse(request_id=await offload(state, state.engine.submit, reqs[0]))
 
 
 @post(
@@ -101,6 +108,12 @@ async def submit_many(
             f"submit_many takes at most {limit} requests, got {len(bodies)}",
             hint="split the batch, or raise --max-http-submit-many",
         )
+    return SubmitManyResponse(request_ids=await offload(state, queue_all, state, bodies))
+
+
+def queue_all(state: State, bodies: list[GenerateBody]) -> list[str]:
+    """Every row checked, then all queued or none (in a worker thread: it tokenizes and parses
+    each row's exclusions)."""
     engine, cfg = state.engine, state.engine.config
     reqs = [one_request(b, state.tokenizer) for b in bodies]
     for req in reqs:  # every row passes the engine's own checks before any is queued
@@ -120,9 +133,9 @@ async def submit_many(
         for req in reqs:
             queued.append(engine.submit(req))
     except Exception:  # paused, overloaded or a taken id part-way: take the batch back
-        await offload(state, engine.discard, queued)
+        engine.discard(queued)
         raise
-    return SubmitManyResponse(request_ids=queued)
+    return queued
 
 
 def one_request(body: GenerateBody, tokenizer) -> GenerateRequest:
@@ -141,7 +154,9 @@ async def poll(state: State, request_id: str) -> PollResponse:
     result = state.engine.poll(request_id)
     if result is None:
         return PollResponse(ready=False)
-    return PollResponse(ready=True, response=to_response(result, state.tokenizer))
+    return PollResponse(
+        ready=True, response=await offload(state, to_response, result, state.tokenizer)
+    )
 
 
 @get(
@@ -158,7 +173,7 @@ async def result(
     wait = seconds(timeout, limit=limit, default=limit)
     res = await offload(state, state.engine.result, request_id, timeout=wait)
     state.metrics.observe_result(res)
-    return to_response(res, state.tokenizer)
+    return await offload(state, to_response, res, state.tokenizer)
 
 
 @post(
