@@ -1,0 +1,214 @@
+"""Catalog replay: the behaviour policy's log-probabilities from the trainer's own logits.
+
+grctl reports, for every generated token, its log-probability under the distribution it was
+actually drawn from (docs/http-api.md): the logits over T (T = 1 at temperature 0), restricted to
+the catalog trie's children of the beam's prefix (less the nodes a request's exclude_item_ids
+close, and before min_new_tokens the children that would complete an item), log-softmaxed, then
+top_k / top_p / min_p judged on that distribution, the dropped tokens -inf and the rest
+renormalised. A trainer needs the same quantity as a differentiable function of its own logits:
+
+    log pi(y_t | x, y_<t) = z_t[y_t] - logsumexp_{v in K_t} z_t[v],   z_t = logits_t / T,
+
+K_t the kept set (catalog children, exclusions, filters). `CatalogReplay.logprobs` computes it
+for a batch, gathering each position's allowed tokens (at most the trie's widest fan-out) from
+the logits, so a 151k vocabulary costs no [batch, steps, vocab] mask. The kept set is chosen
+without gradient (as the sampler chose it); the gradient flows through the renormalisation.
+Prompt tokens get the model's plain log_softmax (no temperature, no mask): what prompt scoring
+reports. Request-level logits processors (biases) are not replayed: add them to the logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from grctl.catalog.exclusions import excluded_nodes
+from grctl.catalog.store import Catalog, build_catalog
+from grctl.errors import ValidationError
+
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class Filters:
+    """What a request's sampling_params say about its distribution (SGLang's names)."""
+
+    temperature: float = 1.0  # 0 (deterministic beams) replays as 1
+    top_k: int = -1  # -1 or >= the allowed set: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    min_new_tokens: int = 0
+    exclude_item_ids: tuple[int | str, ...] = ()
+
+    @classmethod
+    def of(cls, sampling_params: dict) -> Filters:
+        """From a /generate body's sampling_params (missing keys: the server's defaults)."""
+        sp = sampling_params
+        return cls(
+            temperature=float(sp.get("temperature", 1.0) or 0.0),
+            top_k=int(sp.get("top_k", -1)),
+            top_p=float(sp.get("top_p", 1.0)),
+            min_p=float(sp.get("min_p", 0.0)),
+            min_new_tokens=int(sp.get("min_new_tokens", 0)),
+            exclude_item_ids=tuple(sp.get("exclude_item_ids", ()) or ()),
+        )
+
+    @property
+    def tau(self) -> float:
+        return self.temperature if self.temperature > 0 else 1.0
+
+
+@dataclass
+class Replayed:
+    """output [B, T]: each generated token's behaviour log-probability (0 past its end);
+    output_mask [B, T]; prompt [B, P - 1]: log p(prompt token j + 1 | tokens <= j), the plain
+    log_softmax (0 past a prompt's end); prompt_mask [B, P - 1]."""
+
+    output: torch.Tensor
+    output_mask: torch.Tensor
+    prompt: torch.Tensor
+    prompt_mask: torch.Tensor
+
+    def sequence(self) -> torch.Tensor:
+        """[B]: each output's log-probability, the sum over its tokens (log q(y | x))."""
+        return self.output.sum(-1)
+
+
+class CatalogReplay:
+    """The served catalog (or none: the whole vocabulary) on the trainer's side."""
+
+    def __init__(self, catalog: Catalog | None):
+        self.catalog = catalog
+        self._banned: dict[tuple, np.ndarray] = {}
+
+    @classmethod
+    def load(cls, path: str, vocab_size: int | None = None) -> CatalogReplay:
+        """Read the catalog file the server loads (`grctl serve --catalog PATH`)."""
+        return cls(build_catalog(str(path), 0, torch.device("cpu"), vocab_size=vocab_size))
+
+    def _banned_nodes(self, ids: tuple) -> np.ndarray:
+        key = tuple(sorted(map(str, ids)))
+        if key not in self._banned:
+            self._banned[key] = excluded_nodes(self.catalog, tuple(ids))
+        return self._banned[key]
+
+    def supports(
+        self, outputs: Sequence[Sequence[int]], filters: Sequence[Filters]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each output position's allowed tokens before the filters: tokens [B, T, W] and valid
+        [B, T, W] (W: the widest fan-out met), and the chosen token's column [B, T]. Raises
+        ValidationError for a token the catalog (or an exclusion) did not allow there."""
+        trie = self.catalog.trie
+        b, steps = len(outputs), max((len(o) for o in outputs), default=0)
+        widths = [trie.width(t) for t in range(steps)]
+        width = max(widths, default=1)
+        tokens = torch.zeros(b, steps, width, dtype=torch.int64)
+        valid = torch.zeros(b, steps, width, dtype=torch.bool)
+        col = torch.zeros(b, steps, dtype=torch.int64)
+        valid[:, :, 0] = True  # padding: one finite entry, so no NaN reaches a gradient
+        nodes = torch.zeros(b, dtype=torch.int64)
+        alive = torch.ones(b, dtype=torch.bool)
+        banned = [
+            torch.from_numpy(self._banned_nodes(f.exclude_item_ids)) if f.exclude_item_ids else None
+            for f in filters
+        ]
+        for t in range(steps):
+            here = torch.tensor([len(o) > t for o in outputs])
+            if (here & ~alive).any():
+                r = int(torch.nonzero(here & ~alive).flatten()[0])
+                raise ValidationError(
+                    f"output {r} runs on past the catalog item it completed at step {t - 1}",
+                    hint="a beam ends at the first item it completes: cut the output there",
+                )
+            rows = torch.nonzero(here).flatten()
+            tok, child, ok = trie.children(nodes[rows], widths[t])
+            for j, r in enumerate(rows.tolist()):
+                if banned[r] is not None:
+                    ok[j] &= ~torch.isin(child[j], banned[r])
+                if t + 1 < filters[r].min_new_tokens:
+                    ok[j] &= ~trie.is_terminal[child[j]]
+            chosen = torch.tensor([outputs[r][t] for r in rows.tolist()])
+            hit = ok & (tok == chosen[:, None])
+            missing = torch.nonzero(~hit.any(-1)).flatten()
+            if missing.numel():
+                r = int(rows[missing[0]])
+                raise ValidationError(
+                    f"output {r}'s token {outputs[r][t]} at step {t} is not allowed there by the "
+                    "catalog (or its exclusions)",
+                    hint="replay with the catalog file and the sampling_params the server used",
+                )
+            c = hit.int().argmax(-1)
+            w = widths[t]
+            tokens[rows, t, :w], valid[rows, t, :w], col[rows, t] = tok, ok, c
+            nodes[rows] = child.gather(1, c[:, None])[:, 0]
+            alive[rows] = ~trie.is_terminal[nodes[rows]]
+        return tokens, valid, col
+
+    def logprobs(
+        self,
+        logits: torch.Tensor,
+        prompts: Sequence[Sequence[int]],
+        outputs: Sequence[Sequence[int]],
+        filters: Filters | Sequence[Filters] = Filters(),
+    ) -> Replayed:
+        """logits [B, S, V] of the trainer's forward on prompt + output (right-padded:
+        logits[i, j] predicts token j + 1 of sequence i); one Filters, or one per sequence."""
+        b = len(prompts)
+        if not isinstance(filters, Filters) and len(filters) != b:
+            raise ValidationError(f"{len(filters)} filters for {b} sequences")
+        per = [filters] * b if isinstance(filters, Filters) else list(filters)
+        plen = torch.tensor([len(p) for p in prompts])
+        olen = torch.tensor([len(o) for o in outputs])
+        if (plen < 1).any() or (plen + olen > logits.shape[1] + 1).any():
+            raise ValidationError("every prompt needs a token, and logits one position per token")
+        steps = int(olen.max()) if b else 0
+        t_idx = torch.arange(steps)
+        out_mask = t_idx[None] < olen[:, None]
+        pos = (plen[:, None] - 1 + t_idx[None]).clamp(max=logits.shape[1] - 1)
+        if logits.dtype not in (torch.float32, torch.float64):
+            logits = logits.float()
+        z = logits[torch.arange(b)[:, None], pos]  # [B, T, V]: the logits that chose each token
+        tau = torch.tensor([f.tau for f in per], dtype=z.dtype)[:, None, None]
+        if self.catalog is None:
+            chosen = torch.tensor([list(o) + [0] * (steps - len(o)) for o in outputs])
+            xr, valid, col = z, torch.ones_like(z, dtype=torch.bool), chosen
+        else:
+            tokens, valid, col = self.supports(outputs, per)
+            xr = z.gather(-1, tokens)
+        lp = torch.log_softmax((xr / tau).masked_fill(~valid, NEG_INF), dim=-1)
+        with torch.no_grad():
+            keep = kept(lp.detach(), per) & valid
+        lp = lp.masked_fill(~keep, NEG_INF)
+        lp = lp - torch.logsumexp(lp, dim=-1, keepdim=True)
+        out = lp.gather(-1, col[..., None])[..., 0].masked_fill(~out_mask, 0.0)
+        # prompt: plain log_softmax of the logits before each prompt token
+        width = int(plen.max()) - 1
+        j = torch.arange(width)
+        prompt_mask = j[None] < (plen - 1)[:, None]
+        ids = torch.tensor([list(p[1:]) + [0] * (width - len(p) + 1) for p in prompts])
+        plp = torch.log_softmax(logits[:, :width], dim=-1).gather(-1, ids[..., None])[..., 0]
+        return Replayed(out, out_mask, plp.masked_fill(~prompt_mask, 0.0), prompt_mask)
+
+
+def kept(lp: torch.Tensor, filters: Sequence[Filters]) -> torch.Tensor:
+    """lp [B, T, W] tempered log-probabilities over the allowed set (-inf: not allowed) -> the
+    tokens top_k / top_p / min_p keep, each judged on lp: top-k the k most likely, top-p the
+    most likely until the mass before a token passes p (the first always kept), min-p those at
+    least min_p times as likely as the most likely."""
+    b, t, w = lp.shape
+    keep = torch.ones_like(lp, dtype=torch.bool)
+    top_k = torch.tensor([f.top_k if 0 < f.top_k < w else w for f in filters])[:, None, None]
+    top_p = torch.tensor([f.top_p for f in filters], dtype=lp.dtype)[:, None, None]
+    min_p = torch.tensor([f.min_p for f in filters], dtype=lp.dtype)[:, None, None]
+    if (min_p > 0).any():
+        floor = lp.max(-1, keepdim=True).values + torch.log(min_p)
+        keep &= lp >= floor
+    if (top_k < w).any() or (top_p < 1).any():
+        sorted_lp, order = lp.sort(dim=-1, descending=True)
+        probs = sorted_lp.exp()
+        drop = (torch.arange(w)[None, None] >= top_k) | (probs.cumsum(-1) - probs > top_p)
+        keep &= torch.empty_like(drop).scatter_(-1, order, ~drop)
+    return keep
