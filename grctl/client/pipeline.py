@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from grctl.client import buffers
 from grctl.client.calls import ClientTimeout, body_never_read
 from grctl.client.devices import release_unclaimed
 from grctl.client.outcome import ServerOutcome
 from grctl.client.routes import Routes
-from grctl.client.staging import BucketPlan, BufferPool, StagedBucket, stage
+from grctl.client.staging import BucketPlan, StagedBucket, stage
 from grctl.errors import GrctlError
 
 
@@ -124,7 +125,7 @@ def push_buckets(
     plans: list[BucketPlan],
     device: torch.device,
     targets: list[Target],
-    pool: ThreadPoolExecutor,
+    workers: ThreadPoolExecutor,
     opts: PushOptions,
     on_bucket: Callable[[BucketPlan], None] | None = None,
 ) -> None:
@@ -135,17 +136,23 @@ def push_buckets(
     alive = list(targets)
     for t in targets:
         t.outcome.buckets_total = len(plans)
+    if not plans:
+        return
+    # the bucket in flight and the one being staged: two buffers, kept for the process's
+    # later pushes (client.buffers)
+    count = min(2, len(plans))
+    with buffers.pool_for(max(p.nbytes for p in plans), device, count) as pool:
+        _push_planned(source, plans, device, alive, pool, workers, opts, on_bucket)
+
+
+def _push_planned(source, plans, device, alive, pool, workers, opts, on_bucket) -> None:
     flight: InFlight | None = None
-    # the bucket in flight and the one being staged: two buffers, reused by every bucket
-    buffers = None
-    if plans:
-        buffers = BufferPool(max(p.nbytes for p in plans), device, min(2, len(plans)))
     try:
         for plan in plans:
             if not alive:
                 break
             # overlaps with the calls carrying the previous bucket
-            bucket = stage(source, plan, device, buffers)
+            bucket = stage(source, plan, device, pool)
             if flight is not None:
                 alive = settle(flight, len(plans))
                 if on_bucket:
@@ -157,7 +164,7 @@ def push_buckets(
             is_last = plan.index == len(plans) - 1
             flight = InFlight(bucket)
             for t in alive:
-                flight.calls.append((t, pool.submit(send, t, bucket, opts, is_last)))
+                flight.calls.append((t, workers.submit(send, t, bucket, opts, is_last)))
         if flight is not None:
             settle(flight, len(plans))
             if on_bucket:

@@ -11,20 +11,28 @@ bucket and no tensor bytes cross HTTP.
 
 from __future__ import annotations
 
+import ctypes
 import math
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from grctl.errors import GrctlError
+from grctl.client.buffers import (  # noqa: F401 (the buffers are named here too)
+    BufferPool,
+    MiB,
+    ShmFull,
+    no_shm_space,
+    shared_buffer,
+)
 from grctl.weights.apply import TensorSpec
 from grctl.weights.wire import encode
 from grctl.weights.wire.records import FlattenedTensorMetadata
 
 ALIGN = 16  # byte alignment of each tensor inside a bucket
-MiB = 1 << 20
+# Below this many elements torch copies on the calling thread (its parallel grain size): a
+# cast staged in pieces this small never starts an OpenMP region.
+SERIAL_ELEMENTS = 32_767
 
 
 @dataclass(frozen=True)
@@ -77,62 +85,6 @@ def plan_buckets(
         offset = start + size
     close()
     return buckets
-
-
-def shared_buffer(nbytes: int) -> torch.Tensor:
-    """A uint8 CPU tensor allocated in named POSIX shared memory (no copy into it later)."""
-    encode.start_shm_manager_detached()
-    new = getattr(torch.UntypedStorage, "_new_using_filename_cpu", None)
-    try:
-        if new is None:  # an older torch: allocate, then move into shared memory once
-            return encode.share_for_ipc(torch.empty(nbytes, dtype=torch.uint8))
-        return torch.empty(0, dtype=torch.uint8).set_(new(nbytes))
-    except RuntimeError as exc:
-        if "No space left" not in str(exc):
-            raise
-        raise no_shm_space(nbytes) from exc
-
-
-class ShmFull(GrctlError):
-    """/dev/shm too small for a bucket (Docker's default is 64 MiB); nothing was sent."""
-
-    code, status = "shm_full", 0
-
-
-def no_shm_space(nbytes: int) -> ShmFull:
-    try:
-        free = f"{shutil.disk_usage('/dev/shm').free / MiB:.0f} MiB free"
-    except OSError:
-        free = "its free space unknown"
-    need = 2 * nbytes / MiB  # two buckets are alive at once (pipeline.py)
-    return ShmFull(
-        f"/dev/shm has no room for a {nbytes / MiB:.0f} MiB bucket ({free})",
-        hint=f"use --transport disk, a smaller --bucket-mb, or a /dev/shm of at least "
-        f"{need:.0f} MiB (docker run --shm-size)",
-    )
-
-
-class BufferPool:
-    """`count` flat buffers of the largest bucket's size, allocated and touched once, then
-    reused by every bucket: fresh shared memory costs a page fault and a zeroed page per 4 KiB
-    on first write (1 s/GiB measured on the CPU, against 0.14 s/GiB into touched pages). A
-    buffer comes back only when its bucket is freed, after every call carrying it returned
-    (the protocol lets the client reuse its memory only after the server's reply)."""
-
-    def __init__(self, nbytes: int, device: torch.device, count: int = 2):
-        self._free: list[torch.Tensor] = []
-        for _ in range(count):
-            if device.type == "cpu":
-                flat = shared_buffer(nbytes)
-                flat.zero_()  # fault every page in now, once
-            else:
-                flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            self._free.append(flat)
-
-    def take(self, nbytes: int) -> tuple[torch.Tensor, Callable[[], None]]:
-        """A buffer's first `nbytes` bytes and the call that gives the buffer back."""
-        flat = self._free.pop()
-        return flat[:nbytes], lambda: self._free.append(flat)
 
 
 class StagedBucket:
@@ -192,10 +144,37 @@ def stage(
         flat = shared_buffer(plan.nbytes)
     else:
         flat = torch.empty(plan.nbytes, dtype=torch.uint8, device=device)
-    for e in plan.entries:
-        dst = flat[e.start : e.start + e.nbytes].view(e.dtype).view(e.shape)
-        if not source.read_into(e.name, dst):  # a file read straight into the bucket
-            dst.copy_(source.fetch(e.name))  # cast and device move in one copy
-    if flat.is_cuda:
-        torch.cuda.synchronize(device)  # the bytes are in place before any handle leaves
+    try:
+        for e in plan.entries:
+            dst = flat[e.start : e.start + e.nbytes].view(e.dtype).view(e.shape)
+            if not source.read_into(e.name, dst):  # a file read straight into the bucket
+                copy_into(dst, source.fetch(e.name))  # cast and device move in one copy
+        if flat.is_cuda:
+            torch.cuda.synchronize(device)  # the bytes are in place before any handle leaves
+    except BaseException:
+        if give_back is not None:
+            give_back()
+        raise
     return StagedBucket(plan, flat, give_back)
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst <- src on one thread: memcpy for same-dtype contiguous CPU tensors, a cast in pieces
+    below torch's parallel grain size otherwise. A two-thread OpenMP copy on cores a trainer and
+    a server share spins waiting for a descheduled thread (176 ms of a 14.7 MB sync measured)."""
+    if dst.device.type != "cpu" or src.device.type != "cpu":
+        dst.copy_(src)  # a device copy: no host threads
+        return
+    if src.shape != dst.shape:
+        src = src.expand(dst.shape)
+    if src.dtype == dst.dtype and src.is_contiguous() and dst.is_contiguous():
+        if dst.numel():
+            ctypes.memmove(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
+        return
+    if not dst.is_contiguous():
+        dst.copy_(src)  # staging buffers are contiguous; this is for other callers
+        return
+    flat_dst, flat_src = dst.view(-1), src.reshape(-1)
+    for start in range(0, flat_dst.numel(), SERIAL_ELEMENTS):
+        end = start + SERIAL_ELEMENTS
+        flat_dst[start:end].copy_(flat_src[start:end])

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from grctl.client import staging
+from grctl.client import buffers, staging
 from grctl.client.http import GRClient
 from grctl.client.outcome import ServerOutcome
 from grctl.client.pipeline import PushOptions, Target, push_buckets
@@ -57,5 +57,6 @@ def test_refused_pushes_release_their_segments(tmp_path, server_args, cases):
             outcome = push(url, ckpt, **client_kw)
             assert outcome.failed_stage == "push" and outcome.num_buckets == 0, outcome
             assert case in outcome.error.lower(), outcome.error
+            buffers.release()  # the process's kept staging buffers: what is left is a leak
             gc.collect()
             assert my_segments() <= before, f"{case}: {sorted(my_segments() - before)}"
