@@ -38,7 +38,7 @@ def push_progress(console: Console, transport: str) -> Iterator[Any]:
         TimeElapsedColumn(),
     ]
     with Progress(*columns, console=console, transient=True) as bar:
-        label = "pushing tensors" if transport == "tensor" else "loading from disk (server side)"
+        label = "loading from disk (server side)" if transport == "disk" else "pushing"
         task = bar.add_task(label, total=None, buckets="")
 
         def on_progress(p: outcome.Progress) -> None:

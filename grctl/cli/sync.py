@@ -27,10 +27,10 @@ from grctl.client import outcome
 from grctl.client.outcome import TRANSPORTS
 from grctl.errors import GrctlError
 
-Transport = Enum("Transport", {t: t for t in TRANSPORTS}, type=str, module=__name__)
+Transport = Enum("Transport", {t: t for t in ("auto", *TRANSPORTS)}, type=str, module=__name__)
 TRANSPORT_HELP = (
-    "tensor: this process stages buckets on the server's device (shared memory or CUDA IPC); "
-    "disk: the servers read the checkpoint path themselves."
+    "auto: servers on this host read the checkpoint, others get staged buckets; "
+    "tensor: always stage; disk: always send the path."
 )
 
 
@@ -91,7 +91,7 @@ def run_push(
     from grctl.client.sync import WeightSync
 
     version, token_step = sync_kw.pop("weight_version", None), sync_kw.pop("token_step", None)
-    transport = sync_kw.get("transport", "tensor")
+    transport = sync_kw.get("transport", "auto")
     finish = finish_command(checkpoint, transport, sync_kw, version, token_step, api_key)
 
     def show(result) -> None:
@@ -155,8 +155,8 @@ def finish_command(checkpoint, transport, sync_kw, version, token_step, api_key)
     """`url -> the grctl push that finishes the job on that server` (the whole push, again)."""
     args = ["grctl", "push", "--checkpoint", str(Path(checkpoint).resolve())]
     args += ["--transport", transport]
-    if transport == "tensor":
-        args += ["--bucket-mb", f"{sync_kw.get('bucket_mb', 512):g}"]
+    if transport != "disk":
+        args += ["--bucket-mb", f"{sync_kw.get('bucket_mb') or 512:g}"]
     if version is not None:
         args += ["--weight-version", str(version)]
     if token_step is not None:
@@ -192,14 +192,14 @@ def push(
         Optional[str],
         typer.Option(envvar="GR_ROUTER", help="sglang-router URL: push to every worker it lists."),
     ] = None,
-    transport: Annotated[Transport, typer.Option(help=TRANSPORT_HELP)] = Transport.tensor,
+    transport: Annotated[Transport, typer.Option(help=TRANSPORT_HELP)] = Transport.auto,
     chunked: Annotated[
         Optional[bool],
-        typer.Option(help="Several buckets, else one (tensor only; default: chunked)."),
+        typer.Option(help="Several buckets, else one (staged; default: chunked)."),
     ] = None,
     bucket_mb: Annotated[
         Optional[float],
-        typer.Option(min=0.0001, metavar="MB", help="Bucket MiB (tensor only; default: 512)."),
+        typer.Option(min=0.0001, metavar="MB", help="Bucket MiB (staged; default: 512)."),
     ] = None,
     weight_version: Annotated[Optional[str], typer.Option(help="Version label to set.")] = None,
     token_step: Annotated[Optional[int], typer.Option(help="Training step label.")] = None,
@@ -228,8 +228,8 @@ def push(
         as_json=json,
         verbose=verbose,
         transport=transport.value,
-        chunked=True if chunked is None else chunked,
-        bucket_mb=512 if bucket_mb is None else bucket_mb,
+        chunked=chunked,  # None: the default; either given asks auto for staged buckets
+        bucket_mb=bucket_mb,
         weight_version=weight_version,
         token_step=token_step,
         pause_mode=pause_mode.value,

@@ -42,7 +42,7 @@ def push_tensors(
     version = version_str(weight_version)
     result = SyncResult(version, "tensor", sources.label_of(named_tensors, src), [out])
     try:
-        specs = src.specs()
+        src.specs()  # an unreadable source fails before the server is touched
         with ThreadPoolExecutor(1) as pool:
             try:
                 info = client.server_info()
@@ -58,9 +58,8 @@ def push_tensors(
             if out.ok:
                 try:
                     device = devices.stage_device(out.device, stage_device, out.gpu_uuid)
-                    plans = staging.plan_buckets(
-                        specs, dtype_of(out.dtype), int(bucket_mb * staging.MiB)
-                    )
+                    served, budget = dtype_of(out.dtype), int(bucket_mb * staging.MiB)
+                    plans = sources.plans_of(src, served, budget, device)
                     result.num_buckets = len(plans)
                     result.num_bytes = sum(p.nbytes for p in plans)
                     opts = PushOptions(version, token_step, flush_at_end=flush_cache)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from grctl.client import staging
 from grctl.errors import ValidationError
 from grctl.weights.apply import TensorSpec
 from grctl.weights.checkpoint import Checkpoint
@@ -72,13 +73,30 @@ def open_source(source) -> Checkpoint | NamedTensors:
     """A checkpoint directory (a path), or tensors (NamedTensors, a state dict, pairs)."""
     if is_path(source):
         return Checkpoint(Path(source))
-    if isinstance(source, (Checkpoint, NamedTensors)):
+    if isinstance(source, (Checkpoint, NamedTensors)) or is_source(source):
         return source
     return NamedTensors(source)
 
 
-def label_of(source, opened: Checkpoint | NamedTensors | None) -> str:
+def is_source(source: object) -> bool:
+    """Anything that answers a push's calls (specs, fetch, read_into), as grctl.rl's Arena."""
+    return all(callable(getattr(source, n, None)) for n in ("specs", "fetch", "read_into"))
+
+
+def plans_of(source, served: torch.dtype | None, budget_bytes: int, device: torch.device):
+    """The buckets of `source` for a server of `served` dtype staged on `device`: the source's
+    own layout where it has one (an arena's tensors are sent where they lie), else planned."""
+    own = getattr(source, "plans", None)
+    layout = own(served, budget_bytes, device) if callable(own) else None
+    return (
+        layout if layout is not None else staging.plan_buckets(source.specs(), served, budget_bytes)
+    )
+
+
+def label_of(source, opened) -> str:
     """What a SyncResult names as its checkpoint: the path, or how many tensors were pushed."""
     if is_path(source) or opened is None:
         return str(source)
-    return str(opened.path) if isinstance(opened, Checkpoint) else opened.label
+    if isinstance(opened, Checkpoint):
+        return str(opened.path)
+    return getattr(opened, "label", type(opened).__name__)

@@ -137,6 +137,10 @@ def stage(
 ) -> StagedBucket:
     """Read the bucket's tensors from `source` (client.sources: a Checkpoint or NamedTensors)
     into one flat buffer on `device`: one of the pool's when given, else a fresh one."""
+    in_place = getattr(source, "bucket_view", None)
+    flat = in_place(plan) if callable(in_place) else None
+    if flat is not None and flat.device == device:
+        return StagedBucket(plan, flat)  # the source's own memory: nothing to copy
     give_back = None
     if pool is not None:
         flat, give_back = pool.take(plan.nbytes)

@@ -23,7 +23,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from grctl.client import devices, sources, staging
+import msgspec
+
+from grctl.client import devices, hosts, sources, staging
 from grctl.client.http import DEFAULT_URL, GRClient
 from grctl.client.outcome import (
     TRANSPORTS,
@@ -34,12 +36,14 @@ from grctl.client.outcome import (
     SyncResult,
     Terminated,
 )
-from grctl.client.pipeline import PushOptions, Target, push_buckets
+from grctl.client.pipeline import PushOptions, Target, is_refusal, push_buckets
 from grctl.client.preflight import check_covers
 from grctl.client.router import worker_urls as router_workers
 from grctl.client.verify import compare_servers, dtype_of, read_server
 from grctl.errors import GrctlError, ValidationError
 from grctl.protocol.weights import version_str
+from grctl.weights.checkpoint import Checkpoint
+from grctl.weights.wire import encode
 
 
 class WeightSync:
@@ -48,9 +52,9 @@ class WeightSync:
         urls: str | Sequence[str] | None = None,
         *,
         router: str | None = None,
-        transport: str = "tensor",
-        bucket_mb: float = 512,
-        chunked: bool = True,
+        transport: str = "auto",
+        bucket_mb: float | None = None,
+        chunked: bool | None = None,
         pause_mode: str = "abort",
         verify: bool = False,
         flush_retries: int = 60,
@@ -61,9 +65,18 @@ class WeightSync:
     ):
         """`urls`: the servers (default DEFAULT_URL unless `router` is given); `router`: an
         sglang-router whose workers are synced too. `client_kw` goes to each GRClient
-        (api_key, bearer, timeout, update_timeout)."""
-        if transport not in TRANSPORTS:
-            raise ValidationError(f"transport must be tensor or disk, not {transport!r}")
+        (api_key, bearer, timeout, update_timeout).
+
+        `transport`: "auto" (the default) sends a checkpoint path to the servers on this host,
+        which read it themselves (one copy; any that refuses the path gets staged buckets
+        instead) and stages buckets for the others and for tensors in memory; "tensor" always
+        stages; "disk" always sends the path. Giving `bucket_mb` or `chunked` asks for staged
+        buckets: with "auto" it means "tensor". `bucket_mb` defaults to 512."""
+        if transport not in (*TRANSPORTS, "auto"):
+            raise ValidationError(f"transport must be auto, tensor or disk, not {transport!r}")
+        if transport == "auto" and (bucket_mb is not None or chunked is not None):
+            transport = "tensor"
+        bucket_mb, chunked = 512 if bucket_mb is None else bucket_mb, chunked is not False
         if bucket_mb <= 0:
             raise ValidationError("bucket_mb must be > 0")
         self.urls = [urls] if isinstance(urls, str) else list(urls or [])
@@ -79,6 +92,8 @@ class WeightSync:
         self.stage_device, self.on_progress = stage_device, on_progress
         self.clients = {url: GRClient(url, **client_kw) for url in dict.fromkeys(self.urls)}
         self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.clients)))
+        self._covered: set[tuple] = set()  # (url, server, source) already planned: see _plan
+        self._infos: dict[str, object] = {}  # url -> the last /server_info
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -124,19 +139,19 @@ class WeightSync:
                 "transport='tensor'"
             )
         # A tensor push opens its source once, before any server is touched.
-        src = sources.open_source(source) if self.transport == "tensor" else None
+        src = sources.open_source(source) if self.transport != "disk" else None
         try:
             if src is not None:
                 src.specs()  # an unreadable checkpoint fails before any server pauses
             version = version_str(weight_version)
             label = sources.label_of(source, src)
-            result = SyncResult(
-                version, self.transport, label, [ServerOutcome(u) for u in self.clients]
-            )
+            transport = "tensor" if self.transport == "auto" else self.transport
+            result = SyncResult(version, transport, label, [ServerOutcome(u) for u in self.clients])
             try:
                 self._stage(result, "connect", self._connect)
                 if src is not None:
-                    self._stage(result, "plan", lambda o: check_covers(self.clients[o.url], src))
+                    self._stage(result, "plan", lambda o: self._plan(o, src))
+                    self._start_shm_manager(result, source)
                 self._update(result, src or source, version, token_step)
                 self._verify(result, src or source, version)
             except KeyboardInterrupt as exc:  # before the pause or after the resume
@@ -198,41 +213,89 @@ class WeightSync:
         info = self.clients[out.url].server_info()
         out.old_version = out.weight_version = info.weight_version
         out.device, out.dtype, out.gpu_uuid = info.device, info.dtype, info.gpu_uuid
+        self._infos[out.url] = info
+
+    def _plan(self, out: ServerOutcome, src) -> None:
+        """check_covers once per (server, source structure): the server's /server_info (bar
+        its version label) names its model, a source's names, shapes, dtypes and config its
+        structure. A restarted or reconfigured server answers differently and is planned again."""
+        info = self._infos.get(out.url)
+        served = msgspec.structs.replace(info, weight_version="") if info is not None else None
+        key = (out.url, msgspec.json.encode(served), tuple(src.specs()), repr(src.config))
+        if key in self._covered:
+            return
+        check_covers(self.clients[out.url], src)
+        self._covered.add(key)
+
+    def _start_shm_manager(self, result: SyncResult, source) -> None:
+        """torch_shm_manager (0.2-0.3 s to start: it links libtorch) starts before the pause,
+        not inside the paused window, when some server will read shared memory from here."""
+        stages = [o for o in result.servers if o.ok and (o.device or "cpu") == "cpu"]
+        if stages and not (self.transport == "auto" and self._reads_itself(source)):
+            encode.start_shm_manager_detached()
+
+    def _reads_itself(self, source) -> bool:
+        """A path source for servers on this host: they read the checkpoint themselves."""
+        return sources.is_path(source) and all(hosts.is_local(u) for u in self.clients)
 
     def _push(self, result: SyncResult, source, version, token_step) -> None:
-        """`source`: the checkpoint path (disk), or the open source (tensor)."""
+        """`source`: the checkpoint path (disk), or the open source (tensor, auto). auto: a
+        checkpoint goes to servers on this host by their own read of it (one copy, page cache
+        -> parameters, whole or not at all), the rest, and any that refuses the read, by
+        staged buckets."""
         t0 = time.perf_counter()
+        todo = [o for o in result.servers if o.ok]
         if self.transport == "disk":
-            checkpoint = source
-            local = Path(checkpoint)
-            path = str(local.resolve()) if local.exists() else str(checkpoint)
-
-            def disk(out: ServerOutcome) -> None:
-                reply = self.clients[out.url].update_weights_from_disk(
-                    path, weight_version=version, token_step=token_step
-                )
-                out.num_tensors = reply.tensors_loaded
-
-            self._stage(result, "push", disk)
+            self._push_disk(result, str(source), todo, version, token_step)
         else:
-            self._push_tensors(result, source, PushOptions(version, token_step))
+            if self.transport == "auto" and isinstance(source, Checkpoint):
+                local = [o for o in todo if hosts.is_local(o.url)]
+                read = self._push_disk(result, str(source.path), local, version, token_step,
+                                       fallback=True)  # fmt: skip
+                todo = [o for o in todo if o not in read]
+                if read and not todo:
+                    result.transport = "disk"
+            if todo:
+                self._push_tensors(result, source, PushOptions(version, token_step), todo)
         result.timings["push"] = round(time.perf_counter() - t0, 4)
         for out in result.servers:
             out.timings.setdefault("push", result.timings["push"])  # tensor chunks go to all
 
-    def _push_tensors(self, result: SyncResult, src, opts: PushOptions) -> None:
+    def _push_disk(
+        self, result, checkpoint: str, outs, version, token_step, fallback: bool = False
+    ) -> list[ServerOutcome]:
+        """update_weights_from_disk on `outs`; returns those that read it. `fallback`: a server
+        that refuses it (a 4xx: nothing changed, e.g. the path is not there for it) is left
+        ok, for the staged push."""
+        local = Path(checkpoint)
+        path = str(local.resolve()) if local.exists() else str(checkpoint)
+
+        def disk(out: ServerOutcome) -> bool:
+            try:
+                reply = self.clients[out.url].update_weights_from_disk(
+                    path, weight_version=version, token_step=token_step
+                )
+            except Exception as exc:
+                if not (fallback and is_refusal(exc)):
+                    out.fail("push", exc)
+                return False
+            out.num_tensors = reply.tensors_loaded
+            return True
+
+        return [o for o, ok in zip(outs, self._pool.map(disk, outs), strict=True) if ok]
+
+    def _push_tensors(self, result: SyncResult, src, opts: PushOptions, outs) -> None:
         """One staging per (local device, served dtype): servers on the same GPU read the same
         buckets; servers on other GPUs of this machine get their own, staged on their GPU."""
         groups: dict[tuple, list[ServerOutcome]] = {}
-        for out in (o for o in result.servers if o.ok):
+        for out in outs:
             try:
                 device = devices.stage_device(out.device, self.stage_device, out.gpu_uuid)
             except GrctlError as exc:
                 out.fail("push", exc)
                 continue
             groups.setdefault((device, dtype_of(out.dtype)), []).append(out)
-        specs = src.specs()
-        plans = {k: staging.plan_buckets(specs, k[1], self.bucket_bytes) for k in groups}
+        plans = {k: sources.plans_of(src, k[1], self.bucket_bytes, k[0]) for k in groups}
         result.num_buckets = sum(len(p) for p in plans.values())
         result.num_bytes = sum(b.nbytes for p in plans.values() for b in p)
         progress = self._progress_reporter(result)

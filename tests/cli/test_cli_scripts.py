@@ -132,7 +132,7 @@ def test_push_summary_json_and_failures(servers, tiny_checkpoint):
     assert "the servers read" in out.stdout and "tensors from" in out.stdout
 
     out = grctl("push", "--checkpoint", str(tiny_checkpoint), "--url", guarded.url, *key,
-                "--json", "--weight-version", "j3")  # fmt: skip
+                "--json", "--weight-version", "j3", "--transport", "tensor")  # fmt: skip
     assert out.returncode == 0, out.stderr
     doc = one_json(out)
     assert doc["command"] == "push" and doc["ok"] is True

@@ -1,0 +1,68 @@
+"""A trainer's weights pushed in place (grctl.rl.arena): transformers' Qwen3 adopted into one
+shared-memory arena, trained in place, pushed by WeightSync to a real server serving bfloat16.
+The float32 arena goes as it lies, in one call, with no staging buffer made on the client; the
+server casts, and its checksums equal the trainer's tensors cast to bfloat16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grctl.client import WeightSync, buffers
+from grctl.rl.arena import Arena
+from grctl.weights.checker import tensor_sha256
+from tests.support.checkpoints import load_hf
+from tests.support.reference import hf_generate
+from tests.support.weight_helpers import served_by_client, served_sha256
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def srv(start_server, checkpoint):
+    served = checkpoint(seed=41, dtype=torch.bfloat16)
+    return start_server("--allow-weight-update", "--model-path", str(served))
+
+
+def expected(hf, dtype=torch.bfloat16) -> dict[str, str]:
+    state = hf.state_dict()
+    if hf.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return {name: tensor_sha256(t.to(dtype)) for name, t in state.items()}
+
+
+def test_adopt_keeps_the_model_and_lays_it_in_one_segment(checkpoint):
+    hf = load_hf(checkpoint(seed=42))
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.no_grad():
+        before = hf(prompt).logits
+    arena = Arena.adopt(hf)
+    start, end = arena.flat.data_ptr(), arena.flat.data_ptr() + arena.nbytes
+    for name, p in hf.state_dict().items():
+        assert start <= p.data_ptr() < end, name  # every parameter and buffer lives there
+    with torch.no_grad():
+        assert torch.equal(hf(prompt).logits, before)
+    views = arena.tensors()
+    assert all(torch.equal(views[n], t) for n, t in hf.state_dict().items() if n in views)
+
+
+def test_arena_pushed_in_place_and_cast_by_the_server(srv, http, checkpoint):
+    hf = load_hf(checkpoint(seed=43))  # float32, another seed than the server's
+    arena = Arena.adopt(hf)
+    buffers.release()
+    opt = torch.optim.SGD(hf.parameters(), lr=0.5)
+    with WeightSync(srv.url, verify=False) as sync:
+        for step in range(2):
+            opt.zero_grad()
+            hf(torch.tensor([[2, 7, 1, 8]]), labels=torch.tensor([[2, 7, 1, 8]])).loss.backward()
+            opt.step()  # writes the arena's views in place
+            result = sync.run(arena, weight_version=f"s{step}")
+            (out,) = result.servers
+            assert result.ok and out.resumed and out.weight_version == f"s{step}"
+            assert result.num_buckets == 1 and out.num_buckets == 1  # one call
+            assert result.num_bytes >= arena.nbytes - 4096  # float32 bytes: not cast here
+            assert served_sha256(http) == expected(hf)
+    assert "cpu" not in buffers._kept  # no staging buffer was made for it
+    bf16 = hf.to(torch.bfloat16)
+    want = hf_generate(bf16, [5, 6, 7], 4)
+    assert served_by_client(srv.url, [5, 6, 7], 4) == (want, "s1")
