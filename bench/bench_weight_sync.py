@@ -13,6 +13,11 @@ through /get_weights_by_name and compared with the checkpoint just loaded (a no-
 - tensor: a separate client process (bench/weight_push.py) stages each model into 512 MiB
   shared-memory buckets and sends one update_weights_from_tensor call per bucket; staging and
   the calls are timed apart. One more push goes through WeightSync.run, the pipelined product path.
+- sync: pause to verified continue of WeightSync.run (what `grctl push` runs): a checkpoint in a
+  fresh client process (auto: this host's server reads it itself), the staged shared-memory
+  push's steady state (one client process, repeated), and a grctl.rl Arena pushed in place.
+- small: an RL loop's sync of a small model (about 15 MB, float32) from this process's memory,
+  as a state dict and from an Arena, repeated; beside the empty window and a memcpy of its bytes.
 
 The reference is a plain memcpy (torch copy_) of tensors of the checkpoint's sizes in this
 process, measured between the updates with the server's thread count and with one thread; the
@@ -30,6 +35,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -49,10 +55,11 @@ from bench.common import (  # noqa: E402
 from bench.weight_push import reads_back  # noqa: E402
 from grctl.client import GRClient  # noqa: E402
 from grctl.model import dtypes  # noqa: E402
+from grctl.model.config import ModelConfig  # noqa: E402
 from grctl.weights.checkpoint import Checkpoint  # noqa: E402
 from tests.support.serverproc import REPO_ROOT, running_server  # noqa: E402
 
-PARTS = ("disk", "window", "tensor")
+PARTS = ("disk", "window", "tensor", "sync", "small")
 # (part, key, sub-key or None, at most): the CPU targets of disk and tensor updates, on best-of.
 TARGETS = (
     ("disk", "ratio_server_vs_memcpy", "best", 1.5),
@@ -62,6 +69,10 @@ TARGETS = (
     ("window", "p99_ms", None, 20.0),
     ("tensor", "ratio_calls_wall_vs_memcpy", "best", 2.0),
     ("tensor", "ratio_calls_server_vs_memcpy", "best", 2.0),
+    ("sync", "grctl_push_fresh_ratio", "best", 3.0),
+    ("sync", "shm_steady_ratio", "best", 2.0),
+    ("sync", "arena_steady_ratio", "best", 2.0),
+    ("small", "arena_fixed_ms", "best", 30.0),
 )
 
 
@@ -224,6 +235,115 @@ def tensor_part(
     }
 
 
+def window_of(runs: list[dict]) -> dict:
+    return best_median([r["pause_to_continue_s"] for r in runs])
+
+
+def sync_part(srv, ckpts: list[Path], nbytes: int, repeats: int, bucket_mb: float) -> dict:
+    memcpy = Memcpy()
+    fresh = []
+    for i in range(repeats):  # `grctl push --checkpoint`: a new process each time
+        memcpy.measure()
+        path = ckpts[(i + 1) % 2]
+        fresh += run_client(srv, path, f"auto-{i}", bucket_mb, "--sync-run")["runs"]
+    memcpy.measure()
+    n = str(repeats + 1)
+    alt = ("--alt", str(ckpts[0]))
+    shm = run_client(srv, ckpts[1], "shm", bucket_mb, "--sync-run", "--transport", "tensor",
+                     "--repeats", n, *alt)  # fmt: skip
+    memcpy.measure()
+    arena = run_client(srv, ckpts[1], "arena", bucket_mb, "--arena", "--repeats", n, *alt)
+    memcpy.measure()
+    ref = memcpy.reference()
+    figures = {
+        "grctl_push_fresh": window_of(fresh),
+        "shm_first": window_of(shm["runs"][:1]),
+        "shm_steady": window_of(shm["runs"][1:]),
+        "arena_first": window_of(arena["runs"][:1]),
+        "arena_steady": window_of(arena["runs"][1:]),
+    }
+    out = {
+        "checkpoint_bytes": nbytes,
+        "repeats": repeats,
+        "memcpy_s": memcpy.report(),
+        "memcpy_reference_s": ref,
+        **{f"{k}_s": v for k, v in figures.items()},
+        **{f"{k}_ratio": ratio(v, ref) for k, v in figures.items()},
+        "fresh_runs": fresh,
+        "shm": shm,
+        "arena": arena,
+    }
+    out["read_back_mismatches"] = [
+        m for r in [*fresh, *shm["runs"], *arena["runs"]] for m in r["read_back_mismatches"]
+    ]
+    return out
+
+
+SMALL_CONFIG = ModelConfig(
+    num_layers=2,
+    hidden_size=256,
+    num_attention_heads=4,
+    num_kv_heads=2,
+    head_dim=64,
+    intermediate_size=768,
+    vocab_size=6144,
+    tie_word_embeddings=False,
+    torch_dtype="float32",
+)
+
+
+def small_part(repeats: int, tmp: Path) -> dict:
+    """A trainer's small model synced from this process, as a state dict and as an Arena."""
+    from grctl.client import WeightSync
+    from grctl.rl.arena import Arena
+
+    path = tmp / "small"
+    nbytes = write_random_checkpoint(path, SMALL_CONFIG, num_shards=1, seed=3)
+    with Checkpoint(path) as ckpt:
+        state = dict(ckpt.iter_tensors())
+    dst = [torch.empty_like(t) for t in state.values()]
+    out: dict = {"model_bytes": nbytes, "num_tensors": len(state)}
+    flags = ("--allow-weight-update", "--model-path", str(path), "--device", "cpu")
+    with running_server(*flags) as srv:
+        out["window"] = window_part(srv, 50)
+        arena = Arena(state)
+        for name, source in (("state_dict", state), ("arena", arena)):
+            totals, copies = [], []
+            with WeightSync(srv.url) as sync:
+                for i in range(repeats):
+                    for t in (arena.tensors() if name == "arena" else state).values():
+                        t.mul_(-1.0)  # every weight changes each step
+                    t0 = time.perf_counter()
+                    sync.run(source, weight_version=f"{name}-{i}")
+                    totals.append(time.perf_counter() - t0)
+                    copies.append(memcpy_seconds(dst, repeats=1))
+            out[f"{name}_sync_ms"] = {k: round(v * 1e3, 2) for k, v in best_median(totals).items()}
+            out[f"{name}_memcpy_ms"] = round(min(copies) * 1e3, 3)
+    for name in ("state_dict", "arena"):
+        sync_ms, copy_ms = out[f"{name}_sync_ms"], out[f"{name}_memcpy_ms"]
+        # the sync beyond its bytes at copy speed
+        out[f"{name}_fixed_ms"] = {k: round(v - copy_ms, 2) for k, v in sync_ms.items()}
+    return out
+
+
+def big_part(out: dict, parts, ckpts: list[Path], args) -> None:
+    """The parts on the 1.08 GB checkpoint, one server."""
+    nbytes = ensure_checkpoint(ckpts[0], seed=0)
+    assert ensure_checkpoint(ckpts[1], seed=1) == nbytes
+    flags = ("--allow-weight-update", "--model-path", str(ckpts[0]), "--device", "cpu")
+    with running_server(*flags, start_timeout=300) as srv:
+        out["server_rss_anon_bytes_at_start"] = rss_anon_bytes(srv.proc.pid)
+        if "window" in parts:
+            out["window"] = window_part(srv, args.cycles)
+        if "disk" in parts:
+            out["disk"] = disk_part(srv, ckpts, nbytes, args.repeats, Memcpy())
+        if "tensor" in parts:
+            memcpy = Memcpy()
+            out["tensor"] = tensor_part(srv, ckpts, nbytes, args.repeats, args.bucket_mb, memcpy)
+        if "sync" in parts:
+            out["sync"] = sync_part(srv, ckpts, nbytes, args.repeats, args.bucket_mb)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--part", choices=(*PARTS, "all"), default="all")
@@ -235,20 +355,13 @@ def main() -> None:
     args = ap.parse_args()
     parts = PARTS if args.part == "all" else (args.part,)
     ckpts = [Path(args.dir), Path(args.dir_b)]
-    nbytes = ensure_checkpoint(ckpts[0], seed=0)
-    assert ensure_checkpoint(ckpts[1], seed=1) == nbytes
     out: dict = {"bench": "weight_sync", "device": "cpu", "threads": torch.get_num_threads()}
     out["loadavg_1m_start"] = round(os.getloadavg()[0], 2)  # other processes on the machine
-    flags = ("--allow-weight-update", "--model-path", str(ckpts[0]), "--device", "cpu")
-    with running_server(*flags, start_timeout=300) as srv:
-        out["server_rss_anon_bytes_at_start"] = rss_anon_bytes(srv.proc.pid)
-        if "window" in parts:
-            out["window"] = window_part(srv, args.cycles)
-        if "disk" in parts:
-            out["disk"] = disk_part(srv, ckpts, nbytes, args.repeats, Memcpy())
-        if "tensor" in parts:
-            memcpy = Memcpy()
-            out["tensor"] = tensor_part(srv, ckpts, nbytes, args.repeats, args.bucket_mb, memcpy)
+    if any(p != "small" for p in parts):
+        big_part(out, parts, ckpts, args)
+    if "small" in parts:
+        with tempfile.TemporaryDirectory() as tmp:
+            out["small"] = small_part(max(args.repeats, 10), Path(tmp))
     out["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
     out["checks"] = checks(out)
     print(json.dumps(out))
