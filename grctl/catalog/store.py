@@ -50,6 +50,7 @@ class Catalog:
             "num_nodes": s.num_nodes,
             "num_collision_paths": s.num_collision_paths,
             "num_shadowed_items": s.num_shadowed_items,
+            "self_delimiting": s.self_delimiting,
         }
 
 

@@ -29,6 +29,9 @@ class TrieStats:
     num_collision_paths: int  # paths shared by several items
     num_collision_items: int  # items on those paths
     num_shadowed_items: int  # items whose path extends another item's path: never reached
+    # no token that begins an item path appears further along any path: a prompt's partial
+    # item is found without being told (catalog/resume.py)
+    self_delimiting: bool = False
 
 
 class Trie:
@@ -80,6 +83,11 @@ class Trie:
         self.num_nodes = num_nodes
         self.item_offsets = item_offsets
         self.item_index = item_index
+        # the tokens that begin an item (the root's children, ascending), and whether any of
+        # them also appears past a path's first position
+        self.begin_tokens = child_tokens[child_offsets[0] : child_offsets[1]].copy()
+        deeper = child_tokens[child_offsets[1] :]
+        self_delimiting = not bool(np.isin(self.begin_tokens, deeper).any())
         collided = items_per_node > 1
         hist = np.bincount(lengths, minlength=depth + 1)
         self.stats = TrieStats(
@@ -91,6 +99,7 @@ class Trie:
             num_collision_paths=int(collided.sum()),
             num_collision_items=int(items_per_node[collided].sum()),
             num_shadowed_items=int(shadowed.sum()),
+            self_delimiting=self_delimiting,
         )
         self.device = device
         to_dev = (lambda a: torch.from_numpy(a).to(device)) if device.type != "cpu" else None
@@ -104,7 +113,7 @@ class Trie:
         """Bytes the trie holds (device tensors and host item arrays)."""
         tensors = (self.child_offsets, self.child_tokens, self.is_terminal)
         return sum(t.numel() * t.element_size() for t in tensors) + int(
-            self.item_offsets.nbytes + self.item_index.nbytes
+            self.item_offsets.nbytes + self.item_index.nbytes + self.begin_tokens.nbytes
         )
 
     def width(self, depth: int) -> int:
@@ -126,6 +135,10 @@ class Trie:
     def items_of(self, node: int) -> np.ndarray:
         """Row numbers of the items whose path ends at `node`."""
         return self.item_index[self.item_offsets[node] : self.item_offsets[node + 1]]
+
+    def is_item_end(self, node: int) -> bool:
+        """Some item's path ends at `node` (a beam reaching it stops there)."""
+        return bool(self.item_offsets[node + 1] > self.item_offsets[node])
 
     def walk(self, tokens: list[int]) -> int | None:
         """The node a token path leads to from the root, or None if it leaves the trie."""

@@ -107,6 +107,7 @@ def run_validate(path: str, vocab_size: int | None, model_path: Path | None) -> 
         num_collision_paths=stats.num_collision_paths,
         num_collision_items=stats.num_collision_items,
         num_shadowed_items=stats.num_shadowed_items,
+        self_delimiting=stats.self_delimiting,
         file_bytes=rows.file_bytes,
     )
     out_of_range = 0

@@ -27,7 +27,7 @@ from grctl.engine.results import ResultStore
 from grctl.engine.scheduler import Scheduler
 from grctl.engine.sequence import Sequence
 from grctl.engine.stats import EngineStats
-from grctl.engine.validation import excluded_of, stop_ids_of, validate_request
+from grctl.engine.validation import excluded_of, item_start_of, stop_ids_of, validate_request
 from grctl.engine.worker import Worker
 from grctl.errors import (
     Conflict,
@@ -177,6 +177,7 @@ class Engine:
         store = self.catalogs  # the request keeps the catalog served now, whatever reloads
         catalog = store.current if store is not None and req.sampling.use_catalog else None
         excluded = excluded_of(req, catalog, self.device)
+        start = item_start_of(req, catalog)
         with self.gate:
             refusals = self.gate.refusals()
             if refusals:
@@ -189,7 +190,7 @@ class Engine:
                     f"the waiting queue is full ({cfg.max_waiting_requests} requests)",
                     hint="retry later",
                 )
-            seq = Sequence(rid, req, stop_ids_of(req, self.model.config), catalog, *excluded)
+            seq = Sequence(rid, req, stop_ids_of(req, self.model.config), catalog, *excluded, start)
             self.scheduler.add(seq)
             self.stats.num_submitted += 1
             self.gate.notify()

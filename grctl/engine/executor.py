@@ -165,6 +165,7 @@ class Executor:
                 seq.req.top_logprobs_num if seq.req.return_logprob else 0,
                 self.original_logprob,
                 seq.req.return_logprob,
+                (seq.item_start.node, seq.item_start.depth),
             )
             blocks.append(Block(seq.beams, i, 1))
         beam_select.step(torch.stack([lp for _, _, lp in started]), blocks)

@@ -92,6 +92,7 @@ class GenerateResult:
     latency_s: float = 0.0
     item_results: list[ItemResult] | None = None  # with a catalog: one per beam, in beam order
     catalog_version: int | None = None  # the catalog version the request was served with
+    item_prefix_len: int | None = None  # with a catalog: prompt tokens its item resumed from
     beam_width: int | None = None  # SGLang's form was asked: the width searched
     text: TextOptions = field(default_factory=TextOptions)  # the request's
     extra: dict = field(default_factory=dict)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from grctl.catalog.resume import ROOT, ItemStart
 from grctl.engine.kv_cache import BeamKV, ContextKV
 from grctl.engine.request import GenerateRequest, GenerateResult, ItemResult, PromptLogprobs
 from grctl.engine.search.beam import BeamResult, Beams
@@ -32,11 +33,13 @@ class Sequence:
         catalog: Catalog | None = None,  # taken at submit: the request keeps this version
         banned: torch.Tensor | None = None,  # the catalog's nodes its exclude_item_ids close
         excluded: frozenset = frozenset(),  # those ids, as the catalog spells them
+        item_start: ItemStart = ROOT,  # where its item starts: the root, or a partial item
     ):
         self.request_id = request_id
         self.catalog = catalog
         self.banned = banned
         self.excluded = excluded
+        self.item_start = item_start
         self.req = req
         self.prompt_key = tuple(req.input_ids)  # the prefix cache's key
         self.prompt = torch.tensor(self.prompt_key, dtype=torch.int64)
@@ -152,6 +155,7 @@ class Sequence:
             latency_s=time.monotonic() - self.arrival,
             item_results=self._item_results(beams),
             catalog_version=self.catalog.version if self.catalog is not None else None,
+            item_prefix_len=self.item_start.depth if self.catalog is not None else None,
             text=self.req.text,
             beam_width=self.req.sampling.beam_width,
         )
@@ -162,13 +166,15 @@ class Sequence:
         if self.catalog is None:
             return None
         out, seen = [], set()
+        depth = self.item_start.depth  # a resumed item's path begins in the prompt
+        prefix = list(self.req.input_ids[len(self.req.input_ids) - depth :]) if depth else []
         for rank, beam in enumerate(beams):
             ids = [i for i in self.catalog.item_ids(beam.node) if i not in self.excluded]
             fresh = [i for i in ids if i not in seen]
             if ids and not fresh:
                 continue
             seen.update(fresh)
-            tokens = list(beam.output_ids)
+            tokens = prefix + list(beam.output_ids)
             out.append(ItemResult(rank, tokens, fresh, bool(fresh), beam.sequence_score))
         return out
 

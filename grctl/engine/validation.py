@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from grctl.catalog.exclusions import excluded_nodes, excluded_set
+from grctl.catalog.resume import ROOT, ItemStart, item_start
 from grctl.engine import prompt_logprobs
 from grctl.engine.request import GenerateRequest
 from grctl.engine.search.logits_processors import check_token_range
@@ -180,6 +181,20 @@ def excluded_of(req: GenerateRequest, catalog: Catalog | None, device: torch.dev
         )
     nodes = torch.from_numpy(excluded_nodes(catalog, ids)).to(device)
     return nodes, frozenset(excluded_set(catalog, ids))
+
+
+def item_start_of(req: GenerateRequest, catalog: Catalog | None) -> ItemStart:
+    """Where the request's item starts in the catalog (catalog/resume.py): the root, or inside
+    the partial item its prompt ends with."""
+    pinned = req.sampling.item_prefix_len
+    if catalog is None:
+        if pinned:
+            raise ValidationError(
+                "item_prefix_len needs the served item catalog",
+                hint="start the server with --catalog, and leave use_catalog true",
+            )
+        return ROOT
+    return item_start(catalog.trie, req.input_ids, pinned)
 
 
 def stop_ids_of(req: GenerateRequest, cfg: ModelConfig) -> tuple[int, ...]:

@@ -20,6 +20,9 @@ class CatalogStatus(Struct, kw_only=True):
     num_nodes: int = 0
     num_collision_paths: int = 0
     num_shadowed_items: int = 0  # items whose path extends another item's: never returned
+    # no token that begins an item path recurs further along one: a prompt ending in part of
+    # an item resumes inside it (docs/catalog.md "Partial items")
+    self_delimiting: bool = False
     previous_version: int | None = None  # what /catalog/rollback would serve
     num_reloads: int = 0
     num_rollbacks: int = 0

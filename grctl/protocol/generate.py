@@ -38,6 +38,9 @@ class SamplingParamsBody(Struct, kw_only=True):
     # how a beam that completed a catalog item reports it: SGLang's "stop" (with item_id), or
     # grctl's own "item_complete"
     item_finish_reason: Literal["stop", "item_complete"] = "stop"
+    # the prompt's last k tokens begin the item to complete (0: a new item); unset: the
+    # catalog's rule (docs/catalog.md "Partial items")
+    item_prefix_len: Annotated[int, Meta(ge=0)] | None = None
     logits_processors: list[Any] | None = None  # also accepted at the top level
     # SGLang knobs grctl does not implement: a 400 naming them unless they hold the value that
     # changes nothing (server/translation/sampling.py)
@@ -170,6 +173,7 @@ class MetaInfo(Struct, kw_only=True):
     # with an item catalog: one row per beam, in beam order, and the catalog's version
     item_results: list[ItemResultOut] | None = None
     catalog_version: int | None = None
+    item_prefix_len: int | None = None  # with a catalog: the prompt tokens its item resumed
 
 
 class StrictMetaInfo(MetaInfo, kw_only=True, omit_defaults=True):

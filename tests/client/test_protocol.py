@@ -249,6 +249,7 @@ def test_strict_replies_leave_out_only_unset_optional_keys():
         "item_results",
         "catalog_version",
         "kv_recomputed_at",
+        "item_prefix_len",
     }
     assert sent["finish_reason"] == {"type": "length", "length": 0}
     ok = info.StrictFlushCacheResponse(success=True, entries_cleared=0)

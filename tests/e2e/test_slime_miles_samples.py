@@ -13,7 +13,10 @@ import asyncio
 import importlib
 import json
 import random
+import time
 from argparse import Namespace
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -22,10 +25,12 @@ from tests.support.peers import peer_package
 
 pytestmark = pytest.mark.timeout(240)
 
-# Semantic-ID levels with their own token ranges (as RQ-VAE codes are): no item path starts with
-# a token another item holds deeper.
-LEVELS = (range(20, 28), range(40, 56), range(60, 100))
+# Items of DEPTH tokens whose first token (20..27) no item holds further along: the catalog is
+# self-delimiting, so a prompt ending in part of an item resumes inside it (docs/catalog.md).
+DEPTH = 16
+BEGIN, LATER = range(20, 28), range(40, 128)
 PROMPT = "t3 t1 t4 t1 t5"  # the word tokenizer's spelling of [3, 1, 4, 1, 5]
+PROMPT_IDS = [3, 1, 4, 1, 5]
 PEERS = {
     "slime": ("THUDM/slime", ("ray", "PIL", "pylatexenc")),
     "miles": (
@@ -54,7 +59,7 @@ def write_items(path: Path, num: int = 60, seed: int = 5) -> dict[tuple[int, ...
     items: dict[tuple[int, ...], list[int]] = {}
     lines = []
     for i in range(num):
-        toks = [rng.choice(level) for level in LEVELS]
+        toks = [rng.choice(BEGIN)] + [rng.choice(LATER) for _ in range(DEPTH - 1)]
         items.setdefault(tuple(toks), []).append(i)
         lines.append(json.dumps({"item_id": i, "token_ids": toks}))
     path.write_text("\n".join(lines) + "\n")
@@ -91,7 +96,7 @@ def trainer_args(name: str, srv, ckpt: Path, **over) -> Namespace:
         rollout_temperature=0.0,
         rollout_top_p=1.0,
         rollout_top_k=-1,
-        rollout_max_response_len=8,
+        rollout_max_response_len=DEPTH + 8,
         rollout_stop=None,
         rollout_stop_token_ids=None,
         rollout_skip_special_tokens=False,
@@ -107,41 +112,62 @@ def trainer_args(name: str, srv, ckpt: Path, **over) -> Namespace:
     return Namespace(**args)
 
 
-def run_generate(name: str, tmp_path: Path, srv, ckpt: Path, extra: dict | None = None):
-    """One sample of PROMPT through the trainer's own generate(); returns it and its Status."""
+@contextmanager
+def trainer(name: str, tmp_path: Path, srv, ckpt: Path) -> Iterator[Namespace]:
+    """The trainer's modules imported from its snapshot, and its arguments."""
     repo, stubs = PEERS[name]
     with peer_package(repo, name, tmp_path, stubs):
-        rollout = importlib.import_module(f"{name}.rollout.sglang_rollout")
-        http_utils = importlib.import_module(f"{name}.utils.http_utils")
-        types_ = importlib.import_module(f"{name}.utils.types")
-        args = trainer_args(name, srv, ckpt)
+        yield Namespace(
+            rollout=importlib.import_module(f"{name}.rollout.sglang_rollout"),
+            http=importlib.import_module(f"{name}.utils.http_utils"),
+            Sample=importlib.import_module(f"{name}.utils.types").Sample,
+            args=trainer_args(name, srv, ckpt),
+        )
 
-        async def once():
-            http_utils.init_http_client(args)  # their client lives on this loop
-            try:
-                state = rollout.GenerateState(args)
-                params = state.sampling_params.copy()  # what generate_and_rm_group hands on
-                params.update(extra or {})
-                sample = types_.Sample(prompt=PROMPT, index=0)
-                return await rollout.generate(args, sample, params)
-            finally:
-                await http_utils._http_client.aclose()
 
-        return asyncio.run(once()), types_.Sample.Status
+def run(t: Namespace, flow) -> object:
+    """flow(t) on a fresh event loop with the trainer's HTTP client on it, closed after."""
+
+    async def main():
+        t.http.init_http_client(t.args)
+        try:
+            return await flow(t)
+        finally:
+            await t.http._http_client.aclose()
+            t.http._http_client = None
+
+    return asyncio.run(main())
+
+
+async def generate(t: Namespace, sample, extra: dict | None = None):
+    """One turn of the trainer's own generate(), with the sampling params generate_and_rm_group
+    hands it (GenerateState's)."""
+    params = t.rollout.GenerateState(t.args).sampling_params.copy()
+    params.update(extra or {})
+    return await t.rollout.generate(t.args, sample, params)
+
+
+def run_generate(name: str, tmp_path: Path, srv, ckpt: Path, extra: dict | None = None):
+    """One sample of PROMPT through the trainer's own generate(); returns it and its Status."""
+    with trainer(name, tmp_path, srv, ckpt) as t:
+
+        async def flow(t):
+            return await generate(t, t.Sample(prompt=PROMPT, index=0), extra)
+
+        return run(t, flow), t.Sample.Status
 
 
 @pytest.mark.parametrize("name", ["slime", "miles"])
 def test_a_catalog_sample_is_completed(name, served, tmp_path):
     srv, ckpt, items = served
     sample, status = run_generate(name, tmp_path, srv, ckpt)
-    prompt = [3, 1, 4, 1, 5]
-    response = sample.tokens[len(prompt) :]
-    assert sample.tokens[: len(prompt)] == prompt
-    assert tuple(response) in items, response  # one whole catalog item, under the 8 allowed
+    response = sample.tokens[len(PROMPT_IDS) :]
+    assert sample.tokens[: len(PROMPT_IDS)] == PROMPT_IDS
+    assert tuple(response) in items, response  # one whole catalog item, under the tokens allowed
     assert sample.status == status.COMPLETED
-    assert sample.response_length == len(response) == len(sample.rollout_log_probs) == 3
+    assert sample.response_length == len(response) == len(sample.rollout_log_probs) == DEPTH
     assert all(lp <= 0.0 for lp in sample.rollout_log_probs)
-    assert sample.weight_versions == ["builtin"] or len(sample.weight_versions) == 1
+    assert len(sample.weight_versions) == 1
 
 
 @pytest.mark.parametrize("name", ["slime", "miles"])
@@ -150,5 +176,53 @@ def test_item_complete_on_request_leaves_their_sample_pending(name, served, tmp_
     srv, ckpt, items = served
     opt_in = {"item_finish_reason": "item_complete"}
     sample, status = run_generate(name, tmp_path, srv, ckpt, opt_in)
-    assert tuple(sample.tokens[5:]) in items
+    assert tuple(sample.tokens[len(PROMPT_IDS) :]) in items
     assert sample.status == status.PENDING
+
+
+async def abort_all(name: str, t: Namespace, url: str) -> None:
+    """The trainer's own abort of its engines: slime's abort_servers_until_idle (its rollout's
+    abort()), miles' POST /abort_request {"abort_all": true} through its http_utils.post (its
+    rollout's abort(), after the router lists the workers)."""
+    if name == "slime":
+        control = importlib.import_module("slime.backends.sglang_utils.server_control")
+        await control.abort_servers_until_idle([url])
+    else:
+        await t.http.post(f"{url}/abort_request", {"abort_all": True})
+
+
+@pytest.mark.parametrize("name", ["slime", "miles"])
+def test_partial_rollout_aborted_mid_item_resumes_into_the_same_item(name, served, tmp_path):
+    """Their partial rollout: the sample is aborted in the middle of an item (the abort is timed
+    against an unaborted run, retried until it lands inside the item), keeps the tokens
+    generated so far, and is generated again with them appended to the prompt. Greedy, so the
+    unaborted run defines the answer: the resumed sample is that one item, COMPLETED."""
+    srv, ckpt, items = served
+    with trainer(name, tmp_path, srv, ckpt) as t:
+
+        async def flow(t):
+            began = time.monotonic()
+            whole = await generate(t, t.Sample(prompt=PROMPT, index=0))
+            took = time.monotonic() - began
+            assert whole.status == t.Sample.Status.COMPLETED
+            for attempt in range(12):
+                sample = t.Sample(prompt=PROMPT, index=1)
+                task = asyncio.create_task(generate(t, sample))
+                await asyncio.sleep(took * (0.2 + 0.6 * ((attempt * 0.37) % 1)))
+                await abort_all(name, t, srv.url)
+                sample = await task
+                if sample.status == t.Sample.Status.ABORTED and 0 < sample.response_length < DEPTH:
+                    break
+            else:
+                pytest.fail("no abort landed inside an item in 12 tries")
+            return whole, sample, sample.response_length, await generate(t, sample)
+
+        whole, sample, cut, resumed = run(t, flow)
+    status = t.Sample.Status
+    assert 0 < cut < DEPTH
+    assert resumed is sample and resumed.status == status.COMPLETED
+    response = resumed.tokens[len(PROMPT_IDS) :]
+    assert tuple(response) in items  # one valid item, not a new one after a fragment
+    assert resumed.tokens == whole.tokens  # the unaborted run's item
+    assert resumed.response_length == DEPTH == len(resumed.rollout_log_probs)
+    assert resumed.rollout_log_probs == pytest.approx(whole.rollout_log_probs, abs=1e-4)

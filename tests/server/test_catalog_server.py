@@ -68,6 +68,7 @@ def test_status_generate_and_submit(served):
     status = client.get("/catalog/status").json()
     assert status["loaded"] and status["num_items"] == 3000 and status["max_depth"] == 3
     assert status["source"].endswith("v1.jsonl") and status["nbytes"] > 0
+    assert status["self_delimiting"]  # three levels of their own 256 codes
     version = status["version"]
     assert client.get("/status").json()["catalog"]["num_items"] == 3000
     meta = generate(client)

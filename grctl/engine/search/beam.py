@@ -86,6 +86,7 @@ class Beams:
         top_logprobs: int = 0,
         original_logprob: bool = False,  # report log_softmax(logits) whatever the temperature
         report_logprobs: bool = True,  # False: nobody reads them, the tempered pass is skipped
+        start: tuple[int, int] = (0, 0),  # the trie node and depth a partial item resumes at
     ):
         self.params = params
         self.width = w = params.width
@@ -94,6 +95,7 @@ class Beams:
         self.is_stochastic = params.is_stochastic
         self.trie = trie
         self.banned = banned
+        self.start_node, self.start_depth = start
         self.stop_ids = stop_ids
         self.top_logprobs = top_logprobs
         self.report_temperature = (
@@ -126,6 +128,11 @@ class Beams:
     @property
     def is_started(self) -> bool:
         return self.num_steps > 0
+
+    @property
+    def trie_depth(self) -> int:
+        """The depth in the trie of the nodes the next step extends."""
+        return self.start_depth + self.num_steps
 
     @property
     def num_rows(self) -> int:

@@ -65,9 +65,13 @@ def _tensor(values: list, dtype, dev) -> torch.Tensor:
 
 def _parents(blocks: list[Block], num_rows: int, dev) -> Parents:
     """The running beam each row extends, gathered from each request's last state (a prefill
-    row extends the empty prefix: score, key and phi 0)."""
+    row extends the empty prefix: score, key and phi 0, at the trie node its item resumes at)."""
     f = torch.zeros((num_rows, 3), device=dev)
     node = torch.zeros(num_rows, dtype=torch.int64, device=dev)
+    resumed = [(b.first_row, b.beams.start_node) for b in blocks if not b.beams.is_started]
+    if any(n for _, n in resumed):
+        rows, nodes = zip(*resumed, strict=True)
+        node[_tensor(rows, np.int64, dev)] = _tensor(nodes, np.int64, dev)
     for state, items in _by_state(blocks).items():
         n = state.run_f.shape[1]
         src = np.concatenate([j * n + np.arange(b.num_rows) for b, j in items])

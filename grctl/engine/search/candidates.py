@@ -140,7 +140,7 @@ def _children(x, lse, par: Parents, rows, g: Group, trie):
     """A catalog group's rows: log-probabilities of each row's trie children [r, width] (-inf
     where none or masked), their tokens, child nodes and whether each completes an item."""
     dev = x.device
-    width = max(trie.width(b.num_steps) for b in g.beams)
+    width = max(trie.width(b.trie_depth) for b in g.beams)
     tokens, children, valid = trie.children(par.node[rows], width)
     xr = x[rows[:, None], tokens] - lse[rows][:, None]
     ends = trie.is_terminal[children] & valid
@@ -166,7 +166,7 @@ def _noise(kind: str, g: Group, m: int, dev) -> torch.Tensor:
     gens = [b.generator for b in g.beams]
     if kind == "sample":
         return torch.cat(sampler.uniforms(gens, [(n,) for n in g.num_rows], dev))
-    own = [m if b.trie is None else b.trie.width(b.num_steps) for b in g.beams]
+    own = [m if b.trie is None else b.trie.width(b.trie_depth) for b in g.beams]
     parts = sampler.uniforms(gens, [(n, w) for n, w in zip(g.num_rows, own, strict=True)], dev)
     u = torch.full((sum(g.num_rows), m), 0.5, device=dev)
     start = 0

@@ -28,6 +28,9 @@ class SamplingParams:
     length_penalty: float = 0.0
     use_catalog: bool = True  # constrain to the served item catalog, when one is loaded
     exclude_item_ids: tuple[int | str, ...] = ()  # no beam completes these catalog items
+    # the prompt's last k tokens begin the item to complete (None: the catalog's rule,
+    # catalog/resume.py)
+    item_prefix_len: int | None = None
     logits_processors: tuple[LogitsRule, ...] = ()
 
     @property

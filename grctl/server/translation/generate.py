@@ -298,6 +298,7 @@ def to_response(result: GenerateResult, tokenizer: Any | None = None) -> Generat
         item_results=_items(result),
         catalog_version=result.catalog_version,
         kv_recomputed_at=result.kv_recomputed_at or None,
+        item_prefix_len=result.item_prefix_len,
     )
     text = beam_text(top, tokenizer, result.text) if top is not None else ""
     return GenerateResponse(text=text, output_ids=result.output_ids, meta_info=meta)

@@ -135,6 +135,7 @@ def sampling_of(body: GenerateBody, sp: SamplingParamsBody) -> SamplingParams:
         length_penalty=sp.length_penalty,
         use_catalog=sp.use_catalog,
         exclude_item_ids=tuple(sp.exclude_item_ids or ()),
+        item_prefix_len=sp.item_prefix_len,
         logits_processors=parse_logits_processors(body.logits_processors)
         + parse_logits_processors(sp.logits_processors),
     )
