@@ -35,9 +35,17 @@ class EngineConfig:
     )
     return_original_logprob: bool = knob(
         False,
-        "Report log_softmax(logits) as logprobs at any temperature (else of logits / T).",
+        "Report the model's log_softmax(logits) as logprobs (no temperature, mask or filter) "
+        "unless a request says otherwise; else the sampling distribution's.",
         "Logprobs",
         old_env=("SGLANG_RETURN_ORIGINAL_LOGPROB",),  # what SGLang's users already set
+    )
+    sampling_mask_max_tokens: int = knob(
+        4096,
+        "Most tokens of one step's sampling support a return_sampling_mask reply lists; a "
+        "request whose support is wider is answered 400.",
+        "Logprobs",
+        min=1,
     )
     max_running_requests: int = knob(64, "Requests decoded together.", "Scheduling", min=1)
     max_waiting_requests: int = knob(1024, "Queued requests before 429.", "Scheduling", min=1)

@@ -85,7 +85,9 @@ class Engine:
             config.prefill_cache_max_bytes,
         )
         self.runner = ModelRunner(model, self.device)
-        self.executor = Executor(self.runner, self.cache, config.return_original_logprob)
+        self.executor = Executor(
+            self.runner, self.cache, config.return_original_logprob, config.sampling_mask_max_tokens
+        )
         self.scheduler = Scheduler(
             config.max_running_requests,
             config.prefill_token_budget,

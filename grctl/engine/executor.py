@@ -29,10 +29,17 @@ from grctl.engine.sequence import Sequence
 
 
 class Executor:
-    def __init__(self, runner: ModelRunner, cache: PrefixCache, original_logprob: bool = False):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        cache: PrefixCache,
+        original_logprob: bool = False,
+        mask_max_tokens: int = 4096,
+    ):
         self.runner = runner
         self.cache = cache
-        self.original_logprob = original_logprob  # report log_softmax(logits) at any temperature
+        self.original_logprob = original_logprob  # the default of return_original_logprob
+        self.mask_max_tokens = mask_max_tokens  # the widest support a sampling mask lists
         cfg = runner.config
         self.max_cached_len = (
             cfg.max_position_embeddings if cfg.rope.rope_type == "dynamic" else None
@@ -163,9 +170,12 @@ class Executor:
                 seq.catalog.trie if seq.catalog is not None else None,
                 seq.banned,
                 seq.req.top_logprobs_num if seq.req.return_logprob else 0,
-                self.original_logprob,
+                self.original_logprob
+                if seq.req.return_original_logprob is None
+                else seq.req.return_original_logprob,
                 seq.req.return_logprob,
-                (seq.item_start.node, seq.item_start.depth),
+                sampling_mask=self.mask_max_tokens + 1 if seq.req.return_sampling_mask else 0,
+                start=(seq.item_start.node, seq.item_start.depth),
             )
             blocks.append(Block(seq.beams, i, 1))
         beam_select.step(torch.stack([lp for _, _, lp in started]), blocks)

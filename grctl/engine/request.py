@@ -30,6 +30,8 @@ class TextOptions:
     no_stop_trim: bool = False  # keep a matched stop string in `text`
     return_text_in_logprobs: bool = False  # each logprob entry's text: the token decoded
     item_finish_reason: str = "stop"  # a completed catalog item: "stop" or "item_complete"
+    # with return_sampling_mask: "selected" (the chosen token's logprob) or "support" (each)
+    sampling_logprobs_mode: str = "selected"
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,9 @@ class GenerateRequest:
     top_logprobs_num: int = 0  # with return_logprob: the k most likely tokens at each step
     # with return_logprob: score the prompt's tokens from this index on (-1: none); SGLang's
     logprob_start_len: int = -1
+    # report the model's log_softmax(logits), not the behaviour policy's; None: the server's
+    return_original_logprob: bool | None = None
+    return_sampling_mask: bool = False  # each token's sampling support and its logprobs
     # ids -> text, the server's tokenizer: what sampling.stop strings are matched against
     detokenize: Callable[[list[int]], str] | None = None
     text: TextOptions = TextOptions()
@@ -94,6 +99,8 @@ class GenerateResult:
     catalog_version: int | None = None  # the catalog version the request was served with
     item_prefix_len: int | None = None  # with a catalog: prompt tokens its item resumed from
     beam_width: int | None = None  # SGLang's form was asked: the width searched
+    # stochastic beams: the (k+1)-th largest Gumbel key (None: the whole support was drawn)
+    gumbel_threshold: float | None = None
     text: TextOptions = field(default_factory=TextOptions)  # the request's
     extra: dict = field(default_factory=dict)
 

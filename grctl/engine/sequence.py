@@ -11,6 +11,7 @@ import torch
 from grctl.catalog.resume import ROOT, ItemStart
 from grctl.engine.kv_cache import BeamKV, ContextKV
 from grctl.engine.request import GenerateRequest, GenerateResult, ItemResult, PromptLogprobs
+from grctl.engine.search import beam_results
 from grctl.engine.search.beam import BeamResult, Beams
 from grctl.engine.search.stop_strings import StopStrings
 
@@ -124,7 +125,7 @@ class Sequence:
         self.beam_kv = None
 
     def to_result(self, weight_version: str, aborted: bool = False) -> GenerateResult:
-        beams = self.beams.results(aborted) if self.beams else []
+        beams = beam_results.walk(self.beams, aborted) if self.beams else []
         if not self.req.return_logprob:
             for b in beams:
                 b.output_token_logprobs = b.output_top_logprobs = None
@@ -158,6 +159,7 @@ class Sequence:
             item_prefix_len=self.item_start.depth if self.catalog is not None else None,
             text=self.req.text,
             beam_width=self.req.sampling.beam_width,
+            gumbel_threshold=self.beams.gumbel_threshold if self.beams else None,
         )
 
     def _item_results(self, beams: list[BeamResult]) -> list[ItemResult] | None:

@@ -4,7 +4,7 @@
 from typing import Annotated, Any, Literal
 
 import msgspec
-from msgspec import Meta, Struct
+from msgspec import UNSET, Meta, Struct, UnsetType
 
 from grctl.protocol.catalog import ItemResultOut
 
@@ -76,11 +76,16 @@ class GenerateBody(Struct, kw_only=True):
     stream: bool = False  # streaming is not supported: true is a 400
     # [{"type": "token_suppress" | "token_bias", ...}] (grctl/engine/search/logits_processors.py)
     logits_processors: list[Any] | None = None
+    # logprobs are the sampling distribution's; true: the model's log_softmax(logits) (null:
+    # the server's --return-original-logprob)
+    return_original_logprob: bool | None = None
+    # SGLang's: each output token's sampling support and its log-probabilities
+    return_sampling_mask: bool = False
+    sampling_logprobs_mode: Literal["selected", "support"] | None = None  # null: "selected"
     # SGLang fields grctl does not implement: a 400 naming them when set
     token_ids_logprob: Any = None
     return_hidden_states: Any = None
     custom_logit_processor: Any = None
-    return_sampling_mask: Any = None
     lora_path: Any = None
 
 
@@ -131,6 +136,17 @@ class BeamMetaInfo(Struct, kw_only=True, omit_defaults=True):
     output_token_logprobs: list[LogprobEntry] | None = None  # this beam's, with return_logprob
     output_top_logprobs: list[list[LogprobEntry]] | None = None  # with top_logprobs_num
     weight_versions: list[WeightVersionSpan] | None = None  # over this beam's output_ids
+    # log q(beam): the sum of its tokens' log-probabilities under the sampling distribution
+    sampling_logprob: float | None = None
+    # stochastic beams (temperature > 0, width > 1): the Gumbel key it was drawn by, and its
+    # rank among the returned keys (0: the largest)
+    gumbel_key: float | None = None
+    draw_order: int | None = None
+    # with return_sampling_mask (SGLang's shape): per token the support, best first, and the
+    # chosen token's log-probability ("selected") or the support's ("support")
+    output_token_sampling_mask: list[list[int]] | None = None
+    output_token_sampling_logprobs: list[Any] | None = None
+    output_token_sampling_mask_length: int | None = None
 
 
 class StrictBeamMetaInfo(BeamMetaInfo, kw_only=True, omit_defaults=True):
@@ -174,6 +190,13 @@ class MetaInfo(Struct, kw_only=True):
     item_results: list[ItemResultOut] | None = None
     catalog_version: int | None = None
     item_prefix_len: int | None = None  # with a catalog: the prompt tokens its item resumed
+    # stochastic beams: the (k+1)-th largest Gumbel key of the search, k the beams returned;
+    # null when fewer than k + 1 sequences could be drawn; absent for other requests
+    gumbel_threshold: float | None | UnsetType = UNSET
+    # with return_sampling_mask: the top beam's (SGLang's shape)
+    output_token_sampling_mask: list[list[int]] | None = None
+    output_token_sampling_logprobs: list[Any] | None = None
+    output_token_sampling_mask_length: int | None = None
 
 
 class StrictMetaInfo(MetaInfo, kw_only=True, omit_defaults=True):

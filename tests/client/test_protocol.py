@@ -250,6 +250,10 @@ def test_strict_replies_leave_out_only_unset_optional_keys():
         "catalog_version",
         "kv_recomputed_at",
         "item_prefix_len",
+        "gumbel_threshold",
+        "output_token_sampling_mask",
+        "output_token_sampling_logprobs",
+        "output_token_sampling_mask_length",
     }
     assert sent["finish_reason"] == {"type": "length", "length": 0}
     ok = info.StrictFlushCacheResponse(success=True, entries_cleared=0)

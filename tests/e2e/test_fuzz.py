@@ -125,6 +125,34 @@ def cases(root: Path) -> list[tuple[str, str, object]]:
         ("POST", "/generate", {"input_ids": [1], "sampling_params": {"item_prefix_len": -1}}),
         ("POST", "/generate", {"input_ids": [1], "sampling_params": {"item_prefix_len": 2**70}}),
         ("POST", "/generate", {"input_ids": [1, 2], "sampling_params": {"item_prefix_len": 1}}),
+        # the behaviour-logprob options (issue 25): wrong types, huge values, a bad mode
+        ("POST", "/generate", {"input_ids": [1], "return_original_logprob": "sometimes"}),
+        ("POST", "/generate", {"input_ids": [1], "return_original_logprob": [True]}),
+        ("POST", "/generate", {"input_ids": [1], "return_original_logprob": 10**30}),
+        ("POST", "/generate", {"input_ids": [1], "return_sampling_mask": {"x": 1}}),
+        ("POST", "/generate", {"input_ids": [1], "return_sampling_mask": 10**30}),
+        ("POST", "/generate", {"input_ids": [1], "return_sampling_mask": -1.5}),
+        ("POST", "/generate", {"input_ids": [1], "sampling_logprobs_mode": "support"}),
+        (
+            "POST",
+            "/generate",
+            {"input_ids": [1], "return_sampling_mask": True, "sampling_logprobs_mode": 7},
+        ),
+        (
+            "POST",
+            "/generate",
+            {"input_ids": [1], "return_sampling_mask": True, "sampling_logprobs_mode": "x" * 4096},
+        ),
+        (
+            "POST",
+            "/generate",
+            {"input_ids": [1], "return_sampling_mask": True, "top_logprobs_num": 10**12},
+        ),
+        (
+            "POST",
+            "/submit",
+            {"input_ids": [1], "return_original_logprob": {}, "return_sampling_mask": True},
+        ),
         ("POST", "/generate", [1, 2, 3]),
         ("POST", "/generate", "null"),
         ("POST", "/submit_many", {"requests": {"input_ids": [1]}}),
@@ -471,6 +499,9 @@ FIELDS = [
     "logprob_start_len",
     "top_logprobs_num",
     "return_logprob",
+    "return_original_logprob",
+    "return_sampling_mask",
+    "sampling_logprobs_mode",
 ]
 
 

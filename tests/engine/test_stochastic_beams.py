@@ -238,9 +238,10 @@ def test_beam_width_returns_n_beams_each_with_its_logprobs(pair):
     assert res.completion_tokens == sum(len(b.output_ids) for b in res.beams)
 
 
-def test_logprobs_are_the_models_before_catalog_and_processors(pair, tmp_path):
-    """Under a catalog and a token bias the beams are constrained and re-ranked, but each
-    reported logprob is still the model's own log_softmax, not renormalised or biased."""
+def test_original_logprobs_are_the_models_before_catalog_and_processors(pair, tmp_path):
+    """Under a catalog and a token bias the beams are constrained and re-ranked; with
+    return_original_logprob each reported logprob is the model's own log_softmax(logits), not
+    tempered, renormalised or biased (the default, the behaviour's: test_behaviour_logprobs)."""
     hf, ours = pair
     path = tmp_path / "c.jsonl"
     rows = [{"item_id": i, "token_ids": list(t)} for i, t in enumerate(ITEMS)]
@@ -249,9 +250,132 @@ def test_logprobs_are_the_models_before_catalog_and_processors(pair, tmp_path):
     bias = parse_logits_processors([{"type": "token_bias", "token_bias": {"11": 3.0}}])
     for temp in (0.0, 0.6):
         sp = SamplingParams(n=4, max_new_tokens=2, temperature=temp, seed=1, logits_processors=bias)
-        (res,) = run_requests(eng, [GenerateRequest(PROMPT, sp, return_logprob=True)])
+        req = GenerateRequest(PROMPT, sp, return_logprob=True, return_original_logprob=True)
+        (res,) = run_requests(eng, [req])
         assert len(res.beams) == 4
         for beam in res.beams:
             assert tuple(beam.output_ids) in ITEMS
-            ref = token_logprobs(hf, PROMPT, beam.output_ids, temp or 1.0)
-            assert beam.output_token_logprobs == pytest.approx(ref, abs=1e-4)
+            ref = token_logprobs(hf, PROMPT, beam.output_ids)
+            assert beam.output_token_logprobs == pytest.approx(ref, abs=1e-5)
+
+
+def catalog_engine(ours, tmp_path, items) -> Engine:
+    path = tmp_path / "items.jsonl"
+    rows = [{"item_id": i, "token_ids": list(t)} for i, t in enumerate(items)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return engine_of(ours, str(path))
+
+
+def test_keys_draw_order_and_threshold(pair, tmp_path):
+    """Every stochastic beam carries its key and draw order (the key order); the threshold is
+    below every returned key. beam_width 6 returning 3 has the threshold of the same search's
+    4th key, n = 6 that of the 7th (below all 6); a search as wide as the catalog's support, or
+    wider, draws it all and has none; deterministic beams have no keys."""
+    _, ours = pair
+    eng = catalog_engine(ours, tmp_path, ITEMS)
+    kw = dict(max_new_tokens=2, temperature=0.9)
+    for seed in range(8):
+        part, full, free = run_requests(
+            eng,
+            [
+                GenerateRequest(PROMPT, SamplingParams(n=3, beam_width=6, seed=seed, **kw)),
+                stochastic(6, seed, **kw),
+                stochastic(4, seed, top_k=5, use_catalog=False, **kw),
+            ],
+        )
+        for res in (part, full, free):
+            keys = [b.gumbel_key for b in res.beams]
+            by_key = sorted(range(len(keys)), key=lambda j: -keys[j])
+            assert [res.beams[j].draw_order for j in by_key] == list(range(len(keys)))
+            assert res.gumbel_threshold is not None and res.gumbel_threshold < min(keys)
+            scores = [b.sequence_score for b in res.beams]
+            assert scores == sorted(scores, reverse=True)  # still best score first
+        full_keys = sorted((b.gumbel_key for b in full.beams), reverse=True)
+        assert sorted(b.gumbel_key for b in part.beams) == sorted(full_keys[:3])
+        assert part.gumbel_threshold == full_keys[3]
+        assert full.gumbel_threshold < full_keys[-1]
+    for width in (len(ITEMS), len(ITEMS) + 3):
+        (res,) = run_requests(eng, [stochastic(width, 5, **kw)])
+        assert len(res.beams) == len(ITEMS) and res.gumbel_threshold is None
+    (det,) = run_requests(eng, [GenerateRequest(PROMPT, SamplingParams(n=3, max_new_tokens=2))])
+    assert det.gumbel_threshold is None
+    assert all(b.gumbel_key is None and b.draw_order is None for b in det.beams)
+
+
+def priority_estimates(results, reward) -> list[float]:
+    """Per request, the priority-sampling estimate sum over its beams of r * p / q, q = P(a
+    key above the threshold) = 1 - exp(-exp(phi - threshold)), phi the beam's
+    sampling_logprob (a test-local reference of the estimator)."""
+    out = []
+    for res in results:
+        kappa = res.gumbel_threshold
+        total = 0.0
+        for b in res.beams:
+            q = 1.0 if kappa is None else -math.expm1(-math.exp(b.sampling_logprob - kappa))
+            total += reward(tuple(b.output_ids)) * math.exp(b.sampling_logprob) / q
+        out.append(total)
+    return out
+
+
+MIXED = [
+    (10, 30),
+    (10, 31),
+    (10, 32, 40),
+    (10, 32, 41),
+    (11, 30),
+    (11, 33, 42),
+    (12, 31),
+    (12, 34),
+    (12, 35, 43),
+    (12, 35, 44),
+]
+
+
+@pytest.mark.slow
+def test_priority_sampling_with_the_threshold_is_unbiased(pair, tmp_path):
+    """The keys' law against exact enumeration: over many seeded requests, the priority-sampling
+    estimate built from each beam's sampling_logprob and the request's threshold averages to
+    the exact E[r] (and to total mass 1) within 3 standard errors, on a catalog whose items
+    end at two lengths and on free sampling with top_k."""
+    hf, ours = pair
+    temp, width, num = 0.8, 3, 1200
+
+    def exact_law(seqs_of):
+        probs = {}
+
+        def walk(prefix, lp):
+            kids = seqs_of(prefix)
+            if not kids:
+                probs[prefix] = math.exp(lp)
+                return
+            row = log_softmax_at(hf, PROMPT + prefix, temp)[kids]
+            for t, q in zip(kids, (row - row.logsumexp(0)).tolist(), strict=True):
+                walk(prefix + (t,), lp + q)
+
+        walk((), 0.0)
+        return probs
+
+    def children(prefix):
+        n = len(prefix)
+        return sorted({it[n] for it in MIXED if len(it) > n and it[:n] == prefix})
+
+    def free(prefix):  # top_k 3 of the tempered distribution, two tokens
+        if len(prefix) == 2:
+            return []
+        return log_softmax_at(hf, PROMPT + prefix, temp).topk(3).indices.tolist()
+
+    cases = [
+        (catalog_engine(ours, tmp_path, MIXED), children, dict(max_new_tokens=3)),
+        (engine_of(ours), free, dict(max_new_tokens=2, top_k=3)),
+    ]
+    for eng, seqs_of, kw in cases:
+        probs = exact_law(seqs_of)
+        assert sum(probs.values()) == pytest.approx(1.0, abs=1e-6)
+        reward = {s: (i % 4) / 3 + (len(s) == 3) for i, s in enumerate(sorted(probs))}.get
+        exact = sum(p * reward(s) for s, p in probs.items())
+        reqs = [stochastic(width, s, temperature=temp, **kw) for s in range(num)]
+        results = run_requests(eng, reqs)
+        for r, target in ((reward, exact), (lambda s: 1.0, 1.0)):
+            est = torch.tensor(priority_estimates(results, r), dtype=torch.float64)
+            se = est.std().item() / math.sqrt(num)
+            assert abs(est.mean().item() - target) < 3 * se, (est.mean().item(), target, se)

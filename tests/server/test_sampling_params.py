@@ -59,7 +59,8 @@ def test_beam_width_reply_is_sglangs(http):
     assert beams[0]["meta_info"]["completion_tokens"] == meta["completion_tokens"] == 9
     assert meta["sequence_score"] == beams[0]["meta_info"]["sequence_score"]
     for b in beams[1:]:
-        assert set(b["meta_info"]) == {"finish_reason", "sequence_score"}
+        # SGLang's keys, and the behaviour log-probability of the sequence (issue 25)
+        assert set(b["meta_info"]) == {"finish_reason", "sequence_score", "sampling_logprob"}
     assert beams[0]["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
     # grctl's own form (no beam_width) is unchanged: no summed count on beam 0
     assert "completion_tokens" not in full["beam_results"][0]["meta_info"]
@@ -71,8 +72,10 @@ def same_beams(a: list[dict], b: list[dict]) -> bool:
     a, b = copy.deepcopy(a), copy.deepcopy(b)
     assert [x["output_ids"] for x in a] == [x["output_ids"] for x in b]
     for x, y in zip(a, b, strict=True):
-        sx, sy = x["meta_info"].pop("sequence_score"), y["meta_info"].pop("sequence_score")
-        assert sx == pytest.approx(sy, abs=1e-4) and x == y
+        for key in ("sequence_score", "sampling_logprob"):
+            sx, sy = x["meta_info"].pop(key), y["meta_info"].pop(key)
+            assert sx == pytest.approx(sy, abs=1e-4)
+        assert x == y
     return True
 
 

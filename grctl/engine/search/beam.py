@@ -16,10 +16,21 @@ The search ends when no beam runs, at max_new_tokens, or, deterministic, when th
 and no running beam can beat its worst entry (log-probabilities only fall, so stopping there
 changes no result).
 
+Every beam carries phi, its log-probability under the behaviour policy (the distribution its
+tokens were drawn from or searched over: sampler.py's, renormalised over what the step allowed;
+at T = 0 the processed log-probabilities renormalised, without filters), returned as its
+sampling_logprob. A stochastic search (width > 1) also returns each beam's Gumbel key, its rank
+among the returned keys (draw_order) and the threshold: the largest key of any sequence not
+returned, which is the largest key any step dropped (the w largest keys pass from each step to
+the next unchanged: a prefix's key is its best child's), or the (n+1)-th returned key when
+beam_width searches more than the n returned; None when nothing finite was dropped (the whole
+support was drawn).
+
 Every step writes one StepState for all the requests it advanced, padded to [R, N]; a request
 holds (state, row) for its last step and for each earlier one (its history: the token, the
 parent beam and the reported log-probability of every running beam), so nothing of a beam's
-past is copied when beams reorder. `results()` walks the parents back, once, on the host.
+past is copied when beams reorder. beam_results.walk reads the returned beams back, once, on
+the host.
 """
 
 from __future__ import annotations
@@ -42,7 +53,7 @@ REASONS = {STOP: "stop", ITEM: "item_complete", LENGTH: "length", STOP_STRING: "
 NEG_INF = float("-inf")
 
 # columns of StepState's packed tensors
-SCORE, KEY, PHI, LP = 0, 1, 2, 3  # run_f; pool_f holds SCORE, KEY and LP (its PHI column)
+SCORE, KEY, PHI, LP = 0, 1, 2, 3  # run_f and pool_f
 NODE, TOKEN, PARENT = 0, 1, 2  # run_i; pool_i adds LENGTH_COL and REASON_COL
 LENGTH_COL, REASON_COL = 3, 4
 
@@ -52,26 +63,39 @@ class BeamResult:
     output_ids: list[int]
     sequence_score: float  # cumulative log-probability of output_ids (after the processors)
     finish_reason: str  # "length" | "stop" | "item_complete" | "abort"
-    # the model's log-probability of each token, as reported (log_softmax(logits / T))
+    # each token's reported log-probability: the behaviour policy's, or with original_logprob
+    # the model's own log_softmax(logits)
     output_token_logprobs: list[float] | None = None
     output_top_logprobs: list[list[tuple[float, int]]] | None = None  # per token, best first
     node: int = 0  # the catalog trie node the beam reached (0: none)
     matched_stop: int | str | None = None  # the stop token or string that ended it
+    sampling_logprob: float = 0.0  # log q(beam): the sum of its behaviour log-probabilities
+    gumbel_key: float | None = None  # stochastic beams (width > 1): the key it was ranked by
+    draw_order: int | None = None  # and its rank among the returned keys (0: the largest)
+    # with sampling_mask: per token, the behaviour policy's support (best first) and its
+    # log-probabilities; None at a step whose support exceeded the cap (mask_overflow)
+    sampling_mask: list[list[int]] | None = None
+    sampling_mask_logprobs: list[list[float]] | None = None
+    mask_overflow: bool = False
 
 
 @dataclass(eq=False)
 class StepState:
     """One step's beams of every request it advanced, row i of each tensor for request i:
     run_f [R, N, 4] (score, key, phi, lp), run_i [R, N, 3] (node, token, parent), pool_f
-    [R, N, 3] (score, key, lp), pool_i [R, N, 5] (node, token, parent, length, reason), and the
-    top log-probabilities of each beam's last token ([R, N, k] values and ids) when asked."""
+    [R, N, 4] (score, key, phi, lp), pool_i [R, N, 5] (node, token, parent, length, reason);
+    dropped [R], the largest key the step dropped (stochastic beams; else -inf). Per row of the
+    step's logits (request i's rows from first_rows[i], one per parent beam), when asked: the
+    top log-probabilities ([rows, k] values and ids) and the sampling support ([rows, c])."""
 
     run_f: torch.Tensor
     run_i: torch.Tensor
     pool_f: torch.Tensor
     pool_i: torch.Tensor
-    run_top: tuple[torch.Tensor, torch.Tensor] | None = None
-    pool_top: tuple[torch.Tensor, torch.Tensor] | None = None
+    dropped: torch.Tensor | None = None
+    first_rows: list[int] | None = None
+    rows_top: tuple[torch.Tensor, torch.Tensor] | None = None
+    rows_mask: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class Beams:
@@ -84,8 +108,9 @@ class Beams:
         trie: Trie | None = None,  # the catalog's trie constraining every step
         banned: torch.Tensor | None = None,  # sorted trie nodes no beam may enter
         top_logprobs: int = 0,
-        original_logprob: bool = False,  # report log_softmax(logits) whatever the temperature
-        report_logprobs: bool = True,  # False: nobody reads them, the tempered pass is skipped
+        original_logprob: bool = False,  # report log_softmax(logits), not the behaviour's
+        report_logprobs: bool = True,  # False: nobody reads the token logprobs
+        sampling_mask: int = 0,  # > 0: keep each token's support, up to this many - 1 tokens
         start: tuple[int, int] = (0, 0),  # the trie node and depth a partial item resumes at
     ):
         self.params = params
@@ -98,17 +123,20 @@ class Beams:
         self.start_node, self.start_depth = start
         self.stop_ids = stop_ids
         self.top_logprobs = top_logprobs
-        self.report_temperature = (
-            params.temperature
-            if params.is_stochastic and not original_logprob and report_logprobs
-            else 1.0
-        )
+        self.original_logprob = original_logprob
+        self.report_logprobs = report_logprobs
+        self.is_gumbel = self.is_stochastic and w > 1
+        self.wants_mask = sampling_mask > 0
+        self.mask_width = sampling_mask if self.is_stochastic else 0  # T = 0: the token itself
         # transformers ranks w * max(2, 1 + stop tokens) candidates, so that w survive even
         # when some end early; with nothing that can end early the best w are all that is used.
-        # Stochastic beams keep the w largest keys of pool and candidates: w candidates suffice.
+        # Stochastic beams keep the w largest keys of pool and candidates, and rank w + 1: the
+        # (w + 1)-th largest key of the step is the largest it drops (the threshold's part).
         can_end_early = bool(stop_ids) or trie is not None
         k = max(2, 1 + len(stop_ids)) * w if can_end_early and not self.is_stochastic else w
+        k += self.is_gumbel
         self.num_candidates = min(k, w * vocab_size)
+        self.gumbel_threshold: float | None = None  # set by beam_results.walk
         rules = params.logits_processors
         self.edits = {phase: TokenEdits.of(rules, phase) for phase in PHASES}
         # before min_new_tokens: the same, and no stop token
@@ -118,6 +146,12 @@ class Beams:
         if self.is_stochastic:
             seed = params.seed if params.seed is not None else secrets.randbits(63)
             self.generator = torch.Generator(device=device).manual_seed(seed & (2**64 - 1))
+        # the root's key, Gumbel(0) (log q = 0), drawn first: every sequence's key is then an
+        # independent Gumbel(log q(y)), as the threshold's inclusion probabilities need
+        self.root_key: torch.Tensor | None = None
+        if self.is_gumbel:
+            u = torch.rand(1, generator=self.generator, device=device)
+            self.root_key = -torch.log(-torch.log(u.clamp(min=torch.finfo(u.dtype).tiny)))
         self.state: StepState | None = None
         self.row = 0
         self.history: list[tuple[StepState, int]] = []
@@ -170,70 +204,9 @@ class Beams:
     def finish_running(self, stop_string: str) -> None:
         """End a width-1 search on its running beam, matched by a stop string."""
         s, i = self.state, self.row
-        s.pool_f[i, 0] = s.run_f[i, 0, [SCORE, KEY, LP]]
+        s.pool_f[i, 0] = s.run_f[i, 0]
         s.pool_i[i, 0, :3] = s.run_i[i, 0]
         s.pool_i[i, 0, LENGTH_COL] = self.num_steps
         s.pool_i[i, 0, REASON_COL] = STOP_STRING
-        if s.pool_top is not None:
-            s.pool_top[0][i, 0], s.pool_top[1][i, 0] = s.run_top[0][i, 0], s.run_top[1][i, 0]
         self.stop_string = stop_string
         self.is_done = True
-
-    def results(self, aborted: bool = False) -> list[BeamResult]:
-        """The returned beams (num_return of them) best first; aborted: the running beams too,
-        as they stand."""
-        if self.num_steps == 0:
-            return []
-        s, i, w = self.state, self.row, self.width
-        f, n = s.pool_f[i, :w], s.pool_i[i, :w]
-        top = None
-        if s.pool_top is not None and self.top_logprobs > 0:
-            top = (s.pool_top[0][i, :w], s.pool_top[1][i, :w])
-        if aborted:
-            run_i = s.run_i[i, :w]
-            length = torch.full_like(run_i[:, :1], self.num_steps)
-            f = torch.cat((f, s.run_f[i, :w][:, [SCORE, KEY, LP]]))
-            n = torch.cat((n, torch.cat((run_i, length, torch.full_like(length, -1)), 1)))
-            if top is not None:
-                run_top = (s.run_top[0][i, :w], s.run_top[1][i, :w])
-                top = (torch.cat((top[0], run_top[0])), torch.cat((top[1], run_top[1])))
-        hist_i = torch.stack([st.run_i[r, :w] for st, r in self.history]).tolist()  # [T, w, 3]
-        hist_lp = torch.stack([st.run_f[r, :w, LP] for st, r in self.history]).tolist()
-        hist_top = None
-        if top is not None:
-            hist_top = [
-                (st.run_top[0][r, :w, : self.top_logprobs].tolist(), st.run_top[1][r, :w].tolist())
-                for st, r in self.history
-            ]
-            top = (top[0][:, : self.top_logprobs].tolist(), top[1].tolist())
-        beams = []
-        for j, (score, key, lp) in enumerate(f.tolist()):
-            node, token, parent, length, reason = n[j].tolist()
-            if key == NEG_INF:
-                continue
-            ids, lps, tops = [token], [lp], [_pairs(top, j, self.top_logprobs)]
-            for t in range(length - 2, -1, -1):
-                ids.append(hist_i[t][parent][1])
-                lps.append(hist_lp[t][parent])
-                tops.append(_pairs(hist_top[t] if hist_top else None, parent, self.top_logprobs))
-                parent = hist_i[t][parent][2]
-            ids.reverse(), lps.reverse(), tops.reverse()
-            finish = REASONS.get(reason, "abort")
-            matched = self.stop_string if reason == STOP_STRING else None
-            if reason == STOP:
-                matched = ids[-1]
-            beams.append(
-                (key, BeamResult(ids, score, finish, lps, tops if top else None, node, matched))
-            )
-        beams.sort(key=lambda kb: kb[0], reverse=True)
-        chosen = [b for _, b in beams[: self.num_return]]
-        if self.is_stochastic:  # a sample: shown best score first
-            chosen.sort(key=lambda b: b.sequence_score, reverse=True)
-        return chosen
-
-
-def _pairs(top, j: int, k: int) -> list[tuple[float, int]] | None:
-    if top is None:
-        return None
-    values, ids = top
-    return list(zip(values[j][:k], ids[j][:k], strict=True))

@@ -7,9 +7,10 @@ Gumbel keys, then a segmented top-k), which of them end a sequence, and the new 
 and pools of all requests, padded to [requests, width]. The only device-to-host copy is the
 last: every request's "search is over" flag.
 
-The log-probability reported for a token (return_logprob) is the model's: log_softmax(logits / T)
-at T > 0 (SGLang's default), log_softmax(logits) at T = 0 or with original_logprob, taken before
-the processors and the catalog mask, so that a trainer's forward on the same weights gives it.
+The log-probability reported for a token (return_logprob) is by default the behaviour policy's:
+of the distribution the token was drawn from or searched over (candidates.py), after the
+processors, the catalog mask, the exclusions, min_new_tokens, the temperature and the filters,
+renormalised; with original_logprob the model's own log_softmax(logits), before all of them.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from grctl.engine.search.beam import (
     Beams,
     StepState,
 )
-from grctl.engine.search.candidates import Cands, Group, Parents
+from grctl.engine.search.candidates import Cands, Group, Parents, RowTops
 from grctl.engine.search.logits_processors import apply_edits
 from grctl.engine.search.sampler import row_logsumexp
 
@@ -53,10 +54,14 @@ def step(logits: torch.Tensor, blocks: list[Block]) -> None:
     par = _parents(blocks, logits.shape[0], dev)
     x = _processed(logits, lse, blocks)
     num_cands = max(b.beams.num_candidates for b in blocks)
-    cands = candidates.collect(x, lse, par, _groups(blocks), len(blocks), num_cands)
-    lp, top = _reported(logits, lse, cands, blocks)
+    beams = [b.beams for b in blocks]
+    k_own = max((b.top_logprobs for b in beams if not b.original_logprob), default=0)
+    tops = RowTops.empty(logits.shape[0], k_own, max(b.mask_width for b in beams), dev)
+    groups = _groups(blocks)
+    cands = candidates.collect(x, lse, par, groups, len(blocks), num_cands, tops, x is not logits)
+    lp, rows_top = _reported(logits, lse, cands, blocks, tops.top)
     reasons = _reasons(cands, blocks, logits.shape[1])
-    _update(blocks, cands, lp, top, reasons)
+    _update(blocks, cands, lp, reasons, (rows_top, tops.mask))
 
 
 def _tensor(values: list, dtype, dev) -> torch.Tensor:
@@ -65,13 +70,18 @@ def _tensor(values: list, dtype, dev) -> torch.Tensor:
 
 def _parents(blocks: list[Block], num_rows: int, dev) -> Parents:
     """The running beam each row extends, gathered from each request's last state (a prefill
-    row extends the empty prefix: score, key and phi 0, at the trie node its item resumes at)."""
+    row extends the empty prefix: score and phi 0, key 0 or a stochastic search's root key, at
+    the trie node its item resumes at)."""
     f = torch.zeros((num_rows, 3), device=dev)
     node = torch.zeros(num_rows, dtype=torch.int64, device=dev)
     resumed = [(b.first_row, b.beams.start_node) for b in blocks if not b.beams.is_started]
     if any(n for _, n in resumed):
         rows, nodes = zip(*resumed, strict=True)
         node[_tensor(rows, np.int64, dev)] = _tensor(nodes, np.int64, dev)
+    roots = [b for b in blocks if not b.beams.is_started and b.beams.root_key is not None]
+    if roots:
+        rows = torch.tensor([b.first_row for b in roots], device=dev)
+        f[rows, 1] = torch.cat([b.beams.root_key for b in roots])
     for state, items in _by_state(blocks).items():
         n = state.run_f.shape[1]
         src = np.concatenate([j * n + np.arange(b.num_rows) for b, j in items])
@@ -124,22 +134,32 @@ def _groups(blocks: list[Block]) -> list[tuple[str, Group]]:
     return list(groups.values())
 
 
-def _reported(logits, lse, cands: Cands, blocks: list[Block]):
-    """The reported log-probability of every candidate [R, K], and the top log-probabilities
-    of its parent row ([R, K, k] values and ids) when a request asks for them."""
+def _reported(logits, lse, cands: Cands, blocks: list[Block], own_top):
+    """The reported log-probability of every candidate [R, K] (the behaviour's, or the model's
+    log_softmax(logits) for a request with original_logprob), and the top log-probabilities of
+    every row ([rows, k] values and ids) when a request asks for them."""
     dev = logits.device
-    temps = [b.beams.report_temperature for b in blocks]
-    k = max(b.beams.top_logprobs for b in blocks)
-    scaled, lse_t = logits, lse
-    if any(t != 1.0 for t in temps):
-        per_row = np.repeat(np.array(temps, np.float32), [b.num_rows for b in blocks])
-        scaled = logits / torch.from_numpy(per_row).to(dev)[:, None]
-        lse_t = row_logsumexp(scaled)
-    lp = scaled[cands.row, cands.token.clamp(min=0)] - lse_t[cands.row]
+    orig = [b.beams.original_logprob for b in blocks]
+    lp = cands.blp
+    if any(orig):
+        raw = logits[cands.row, cands.token.clamp(min=0)] - lse[cands.row]
+        lp = torch.where(_tensor(orig, bool, dev)[:, None], raw, lp)
+    k = max(b.beams.top_logprobs for b in blocks if b.beams.original_logprob) if any(orig) else 0
     if k == 0:
-        return lp, None
-    values, ids = (scaled - lse_t[:, None]).topk(min(k, logits.shape[1]), dim=-1)
-    return lp, (values[cands.row], ids[cands.row])
+        return lp, own_top
+    values, ids = logits.topk(min(k, logits.shape[1]), dim=-1)
+    values = values - lse[:, None]
+    if own_top is None:
+        return lp, (values, ids)
+    width = max(k, own_top[0].shape[1])
+    per_row = np.repeat(np.array(orig), [b.num_rows for b in blocks])
+    is_orig = torch.from_numpy(per_row).to(dev)[:, None]
+    pad_v = torch.full((values.shape[0], width), NEG_INF, device=dev)
+    pad_i = torch.zeros((values.shape[0], width), dtype=torch.int64, device=dev)
+    ov, oi, bv, bi = pad_v.clone(), pad_i.clone(), pad_v, pad_i
+    ov[:, : values.shape[1]], oi[:, : values.shape[1]] = values, ids
+    bv[:, : own_top[0].shape[1]], bi[:, : own_top[0].shape[1]] = own_top
+    return lp, (torch.where(is_orig, ov, bv), torch.where(is_orig, oi, bi))
 
 
 def _reasons(cands: Cands, blocks: list[Block], vocab: int) -> torch.Tensor:
@@ -158,7 +178,7 @@ def _reasons(cands: Cands, blocks: list[Block], vocab: int) -> torch.Tensor:
     return reasons.to(torch.int8)
 
 
-def _update(blocks: list[Block], c: Cands, lp, top, reasons) -> None:
+def _update(blocks: list[Block], c: Cands, lp, reasons, row_tables) -> None:
     """Every request's new running beams and pool (beam.py's rules), in one set of ops."""
     dev = c.key.device
     num, k = c.key.shape
@@ -166,20 +186,23 @@ def _update(blocks: list[Block], c: Cands, lp, top, reasons) -> None:
     n = max(b.width for b in beams)
     width = _tensor([b.width for b in beams], np.int64, dev)
     stoch = _tensor([b.is_stochastic for b in beams], bool, dev)[:, None]
+    gumbel = _tensor([b.is_gumbel for b in beams], bool, dev)
     steps = [b.num_steps for b in beams]
     length = _tensor([s + 1 for s in steps], np.float32, dev)
     penalty = _tensor([b.params.length_penalty for b in beams], np.float32, dev)
     first = _tensor([b.first_row for b in blocks], np.int64, dev)
-    prev_f, prev_i, prev_top = _previous_pools(blocks, n, top, dev)
+    prev_f, prev_i = _previous_pools(blocks, n, dev)
 
     finite = c.key > NEG_INF
     ends = (reasons > 0) & finite
     runs = ~ends & finite
     rank = torch.arange(k, device=dev)[None]
     # deterministic: an ending candidate joins the pool if among the first w; the first w that
-    # do not end run on. Stochastic: the w largest keys of pool and candidates are kept.
-    kth = torch.cat((prev_f[..., KEY], c.key), 1).topk(n, dim=1).values
-    in_top = c.key >= kth.gather(1, (width - 1)[:, None])
+    # do not end run on. Stochastic: the w largest keys of pool and candidates are kept, and
+    # the (w + 1)-th is the largest this step drops.
+    ranked = torch.cat((prev_f[..., KEY], c.key), 1).topk(n + 1, dim=1).values
+    in_top = c.key >= ranked.gather(1, (width - 1)[:, None])
+    dropped = torch.where(gumbel, ranked.gather(1, width[:, None]).squeeze(1), NEG_INF)
     joins = torch.where(stoch, ends & in_top, ends & (rank < width[:, None]))
     runs = torch.where(stoch, runs & in_top, runs & (runs.cumsum(1) <= width[:, None]))
     normalized = c.score / length[:, None] ** penalty[:, None]
@@ -194,22 +217,14 @@ def _update(blocks: list[Block], c: Cands, lp, top, reasons) -> None:
     run_i = torch.stack((c.node, c.token, slot), 2).gather(1, _cols(pick, 3))
 
     lengths = length.to(torch.int64)[:, None].expand(num, k)
-    cand_f = torch.stack((c.score, pool_key, lp), 2)
+    cand_f = torch.stack((c.score, pool_key, c.phi, lp), 2)
     cand_i = torch.stack((c.node, c.token, slot, lengths, reasons.to(torch.int64)), 2)
     merged_f, merged_i = torch.cat((prev_f, cand_f), 1), torch.cat((prev_i, cand_i), 1)
     kept_key, keep = merged_f[..., KEY].topk(n, dim=1)
     kept_key = kept_key.masked_fill(torch.arange(n, device=dev)[None] >= width[:, None], NEG_INF)
-    pool_f = merged_f.gather(1, _cols(keep, 3))
+    pool_f = merged_f.gather(1, _cols(keep, 4))
     pool_f[..., KEY] = kept_key
     pool_i = merged_i.gather(1, _cols(keep, 5))
-    run_top = pool_top = None
-    if top is not None:
-        kt = top[0].shape[2]
-        run_top = (top[0].gather(1, _cols(pick, kt)), top[1].gather(1, _cols(pick, kt)))
-        pool_top = tuple(
-            torch.cat((p, t), 1).gather(1, _cols(keep, kt))
-            for p, t in zip(prev_top, top, strict=True)
-        )
 
     best = run_f[:, 0, SCORE].where(run_key[:, 0] > NEG_INF, NEG_INF)
     worst = kept_key.gather(1, (width - 1)[:, None]).squeeze(1)
@@ -219,7 +234,9 @@ def _update(blocks: list[Block], c: Cands, lp, top, reasons) -> None:
     bound = torch.where(penalty == 0, best, bound)
     det_over = (best == NEG_INF) | ((worst > NEG_INF) & (bound <= worst))
     over = torch.where(stoch[:, 0], run_key[:, 0] == NEG_INF, det_over)
-    state = StepState(run_f, run_i, pool_f, pool_i, run_top, pool_top)
+    rows_top, rows_mask = row_tables
+    firsts = [b.first_row for b in blocks]
+    state = StepState(run_f, run_i, pool_f, pool_i, dropped, firsts, rows_top, rows_mask)
     for i, (b, is_over) in enumerate(zip(beams, over.tolist(), strict=True)):
         b.advance(state, i, is_over)
 
@@ -228,14 +245,11 @@ def _cols(index: torch.Tensor, num: int) -> torch.Tensor:
     return index[..., None].expand(*index.shape, num)
 
 
-def _previous_pools(blocks: list[Block], n: int, top, dev):
+def _previous_pools(blocks: list[Block], n: int, dev):
     """Each request's pool before this step, padded to [R, n] (empty before the first step)."""
     num = len(blocks)
-    f = torch.full((num, n, 3), NEG_INF, device=dev)
+    f = torch.full((num, n, 4), NEG_INF, device=dev)
     i = torch.zeros((num, n, 5), dtype=torch.int64, device=dev)
-    kt = 0 if top is None else top[0].shape[2]
-    tv = torch.full((num, n, kt), NEG_INF, device=dev)
-    ti = torch.zeros((num, n, kt), dtype=torch.int64, device=dev)
     index = {id(b): r for r, b in enumerate(blocks)}
     for state, items in _by_state(blocks).items():
         reqs = torch.tensor([index[id(b)] for b, _ in items], device=dev)
@@ -243,8 +257,4 @@ def _previous_pools(blocks: list[Block], n: int, top, dev):
         c = min(n, state.pool_f.shape[1])
         f[reqs, :c] = state.pool_f[rows, :c]
         i[reqs, :c] = state.pool_i[rows, :c]
-        if kt and state.pool_top is not None:
-            kp = min(kt, state.pool_top[0].shape[2])
-            tv[reqs, :c, :kp] = state.pool_top[0][rows, :c, :kp]
-            ti[reqs, :c, :kp] = state.pool_top[1][rows, :c, :kp]
-    return f, i, (tv, ti)
+    return f, i

@@ -6,6 +6,12 @@ largest Gumbel keys), and each group runs as a few batched ops: a top-k or a dra
 the segmented top-k of each request's rows (segments.py). A catalog row gathers its trie node's
 children (the widest fan-out at that depth wide), with the padding, the excluded items' nodes
 and, before min_new_tokens, the items that would end too soon masked out.
+
+Every candidate also carries its behaviour log-probability: the token's under the distribution
+the row chose from (sampled rows: sampler.sampling_logprobs; deterministic rows: the processed
+log-probabilities renormalised over what the row allows). When asked, each row's best behaviour
+log-probabilities (top logprobs) and its sampling support (the sampled rows' tokens of nonzero
+probability, best first) are written per row, -inf past what the row allows.
 """
 
 from __future__ import annotations
@@ -42,12 +48,34 @@ class Cands:
     node: torch.Tensor
     row: torch.Tensor  # the step's row of the parent beam
     item_end: torch.Tensor  # the candidate completes a catalog item
+    blp: torch.Tensor  # the token's behaviour log-probability (phi's increment)
 
     @classmethod
     def empty(cls, num: int, k: int, device) -> Cands:
         f = torch.full((num, k), NEG_INF, device=device)
         i = torch.zeros((num, k), dtype=torch.int64, device=device)
-        return cls(f, f.clone(), f.clone(), i, i.clone(), i.clone(), i.bool())
+        return cls(f, f.clone(), f.clone(), i, i.clone(), i.clone(), i.bool(), f.clone())
+
+
+@dataclass
+class RowTops:
+    """Per row of the step, when asked: the best behaviour log-probabilities ([rows, k] values
+    and token ids) and the sampling support ([rows, c]), -inf (token 0) where none."""
+
+    top: tuple[torch.Tensor, torch.Tensor] | None
+    mask: tuple[torch.Tensor, torch.Tensor] | None
+
+    @classmethod
+    def empty(cls, rows: int, k: int, c: int, device) -> RowTops:
+        def pair(width):
+            if width == 0:
+                return None
+            return (
+                torch.full((rows, width), NEG_INF, device=device),
+                torch.zeros((rows, width), dtype=torch.int64, device=device),
+            )
+
+        return cls(pair(k), pair(c))
 
 
 @dataclass
@@ -66,16 +94,28 @@ class Group:
         )
 
 
-def collect(x, lse, par: Parents, groups: list[tuple[str, Group]], num: int, k: int) -> Cands:
-    """x [rows, vocab] processed logits, lse [rows]; groups as (kind, Group), kind one of
-    'det', 'sample', 'gumbel'. Returns the padded candidates of all `num` requests."""
+def collect(
+    x,
+    lse,
+    par: Parents,
+    groups: list[tuple[str, Group]],
+    num: int,
+    k: int,
+    tops: RowTops,
+    processed: bool,
+) -> Cands:
+    """x [rows, vocab] logits, lse [rows] the raw logits' log-sum-exp, `processed` whether x
+    holds the processors' edits; groups as (kind, Group), kind one of 'det', 'sample', 'gumbel'.
+    Returns the padded candidates of all `num` requests; fills `tops` for the rows that ask."""
     out = Cands.empty(num, k, x.device)
     for kind, g in groups:
-        _collect_group(x, lse, par, kind, g, out)
+        _collect_group(x, lse, par, kind, g, out, tops, processed)
     return out
 
 
-def _collect_group(x, lse, par: Parents, kind: str, g: Group, out: Cands) -> None:
+def _collect_group(
+    x, lse, par: Parents, kind: str, g: Group, out: Cands, tops: RowTops, processed: bool
+) -> None:
     dev = x.device
     rows = torch.from_numpy(g.rows).to(dev)
     trie = g.beams[0].trie
@@ -92,24 +132,43 @@ def _collect_group(x, lse, par: Parents, kind: str, g: Group, out: Cands) -> Non
         row_lse = 0.0
     p_score, p_key, p_phi = par.score[rows], par.key[rows], par.phi[rows]
     width = max(b.width for b in g.beams)
+    m = xr.shape[1]
     if kind == "det":
-        kk = min(max(b.num_candidates for b in g.beams), xr.shape[1])
+        kk = min(max(b.num_candidates for b in g.beams), m)
         lp, col = xr.topk(kk, dim=-1)
         score = p_score[:, None] + (lp - row_lse)
-        key, phi = score, torch.zeros_like(score)
+        key = score
+        # the behaviour distribution: the processed log-probabilities renormalised
+        norm = sampler.row_logsumexp(xr, True) if tokens is not None or processed else row_lse
+        blp = torch.nan_to_num(lp - norm, nan=NEG_INF, neginf=NEG_INF)
+        if _wants_top(tops, g):
+            values, ids = xr.topk(min(tops.top[0].shape[1], m), dim=-1)
+            _put(
+                tops.top,
+                rows,
+                torch.nan_to_num(values - norm, nan=NEG_INF, neginf=NEG_INF),
+                ids,
+                tokens,
+            )
     else:
         lpt = _sampling(xr, g, dev)
-        u = _noise(kind, g, xr.shape[1], dev)
+        u = _noise(kind, g, m, dev)
         if kind == "sample":
             col = sampler.draw_one(lpt, u)[:, None]
             ok = torch.isfinite(lpt.gather(1, col))
             key = torch.where(ok, p_key[:, None], NEG_INF)
         else:
+            # w + 1 per row: the step's (w + 1)-th largest key is among them
             gum = sampler.gumbel(p_phi[:, None] + lpt, u)
-            top, col = gum.topk(min(width, xr.shape[1]), dim=-1)
+            top, col = gum.topk(min(width + 1, m), dim=-1)
             key = sampler.conditioned(top, gum.max(-1).values, p_key)
         score = p_score[:, None] + (xr.gather(1, col) - row_lse)
-        phi = p_phi[:, None] + lpt.gather(1, col)
+        blp = lpt.gather(1, col)
+        if _wants_top(tops, g):
+            _put(tops.top, rows, *lpt.topk(min(tops.top[0].shape[1], m), dim=-1), tokens)
+        if tops.mask is not None and any(b.mask_width for b in g.beams):
+            _put(tops.mask, rows, *lpt.topk(min(tops.mask[0].shape[1], m), dim=-1), tokens)
+    phi = p_phi[:, None] + blp
     tok = col if tokens is None else tokens.gather(1, col)
     node = torch.zeros_like(col) if nodes is None else nodes.gather(1, col)
     end = torch.zeros_like(col, dtype=torch.bool) if ends is None else ends.gather(1, col)
@@ -125,15 +184,30 @@ def _collect_group(x, lse, par: Parents, kind: str, g: Group, out: Cands) -> Non
     top = top.masked_fill(torch.arange(kk, device=dev)[None] >= limit[:, None], NEG_INF)
     reqs = torch.tensor(g.reqs, device=dev)
     out.key[reqs] = top
-    for name, m in (
+    for name, t in (
         ("score", score),
         ("phi", phi),
         ("token", tok),
         ("node", node),
         ("row", parent_row),
         ("item_end", end),
+        ("blp", blp),
     ):
-        getattr(out, name)[reqs] = m.flatten()[pos]
+        getattr(out, name)[reqs] = t.flatten()[pos]
+
+
+def _wants_top(tops: RowTops, g: Group) -> bool:
+    return tops.top is not None and any(
+        b.top_logprobs > 0 and not b.original_logprob for b in g.beams
+    )
+
+
+def _put(pair, rows, values, cols, tokens) -> None:
+    """Write rows' best (value, column) pairs into a RowTops pair, columns as token ids."""
+    ids = cols if tokens is None else tokens.gather(1, cols)
+    c = values.shape[1]
+    pair[0][rows, :c] = values
+    pair[1][rows, :c] = ids
 
 
 def _children(x, lse, par: Parents, rows, g: Group, trie):

@@ -11,8 +11,10 @@ what they drop is -inf, and the rest is renormalised.
 Width 1 draws one token by inverse CDF from one uniform per row. Width w > 1 is stochastic beam
 search (Kool, van Hoof and Welling, 2019): every prefix carries phi, its log-probability under
 the sampling distribution, and a key, a Gumbel(phi) sample conditioned on its parent's key being
-the largest of its children's keys; the w largest keys of each step are a sample without
-replacement of w prefixes, and at the end of w distinct sequences.
+the largest of its children's keys, the root's own key a Gumbel(0) draw (so every complete
+sequence's key is an independent Gumbel(log q) sample, and a threshold's inclusion
+probabilities hold); the w largest keys of each step are a sample without replacement of w
+prefixes, and at the end of w distinct sequences.
 
 Every stochastic request owns a torch.Generator seeded by its `seed`, and draws its uniforms for
 one step in one call, so its samples do not depend on what it was batched with.
@@ -51,7 +53,7 @@ def sampling_logprobs(
     any_min_p, max_top_k, any_top_p = filters
     m = x.shape[1]
     lp = torch.log_softmax(x / temperature[:, None], dim=-1)
-    lp = torch.nan_to_num(lp, nan=NEG_INF)  # a row with nothing allowed
+    lp = torch.nan_to_num(lp, nan=NEG_INF, neginf=NEG_INF)  # a row with nothing allowed
     if not (any_min_p or any_top_p or 0 < max_top_k < m):
         return lp  # no filter: nothing to drop or renormalise
     keep = torch.ones_like(lp, dtype=torch.bool)
@@ -70,7 +72,7 @@ def sampling_logprobs(
         kth = lp.topk(max_top_k, dim=-1).values.gather(1, (k - 1)[:, None])
         keep &= lp >= torch.where(uses_k[:, None], kth, NEG_INF)
     lp = lp.masked_fill(~keep, NEG_INF)
-    return torch.nan_to_num(lp - row_logsumexp(lp, keepdim=True), nan=NEG_INF)
+    return torch.nan_to_num(lp - row_logsumexp(lp, keepdim=True), nan=NEG_INF, neginf=NEG_INF)
 
 
 def draw_one(lp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

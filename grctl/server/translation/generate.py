@@ -6,6 +6,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from grctl.engine.request import GenerateRequest, GenerateResult, TextOptions, new_request_id
 from grctl.engine.search.beam import BeamResult
 from grctl.errors import DuplicateRequestId, ValidationError
@@ -113,6 +115,8 @@ def to_requests(
                 top_logprobs_num=body.top_logprobs_num,
                 # SGLang ignores it without return_logprob
                 logprob_start_len=start if body.return_logprob else -1,
+                return_original_logprob=body.return_original_logprob,
+                return_sampling_mask=body.return_sampling_mask,
                 detokenize=detokenize,
                 text=text_options_of(body, sp),
             )
@@ -213,6 +217,33 @@ def _input_entries(result: GenerateResult, tokenizer: Any | None):
     return entries, _top_entries(scores.top, tokenizer, result.text)
 
 
+def _mask_fields(b: BeamResult | None, opts: TextOptions) -> dict:
+    """SGLang's sampling-mask fields of one beam: per token the support and the chosen token's
+    log-probability ("selected") or the support's ("support"); {} when not asked."""
+    if b is None or (b.sampling_mask is None and not b.mask_overflow):
+        return {}
+    if b.mask_overflow:
+        raise ValidationError(
+            "a step's sampling support exceeds --sampling-mask-max-tokens",
+            hint="lower top_k (or top_p) to narrow the support, or raise the server's "
+            "--sampling-mask-max-tokens",
+        )
+    if opts.sampling_logprobs_mode == "support":
+        values: list = b.sampling_mask_logprobs
+    else:
+        values = [
+            lps[mask.index(t)]
+            for t, mask, lps in zip(
+                b.output_ids, b.sampling_mask, b.sampling_mask_logprobs, strict=True
+            )
+        ]
+    return {
+        "output_token_sampling_mask": b.sampling_mask,
+        "output_token_sampling_logprobs": values,
+        "output_token_sampling_mask_length": len(b.sampling_mask),
+    }
+
+
 def _beam_out(
     b: BeamResult,
     rank: int,
@@ -234,6 +265,10 @@ def _beam_out(
             output_token_logprobs=lps,
             output_top_logprobs=_top_entries(b.output_top_logprobs, tokenizer, opts),
             weight_versions=spans_of(result, len(b.output_ids)),
+            sampling_logprob=b.sampling_logprob,
+            gumbel_key=b.gumbel_key,
+            draw_order=b.draw_order,
+            **_mask_fields(b, opts),
         ),
     )
 
@@ -258,6 +293,11 @@ def _items(result: GenerateResult) -> list[ItemResultOut] | None:
         )
         for r in result.item_results
     ]
+
+
+def _is_gumbel(result: GenerateResult) -> bool:
+    """Stochastic beams, whose reply carries gumbel_threshold (null: the support was drawn)."""
+    return any(b.gumbel_key is not None for b in result.beams)
 
 
 def to_response(result: GenerateResult, tokenizer: Any | None = None) -> GenerateResponse:
@@ -299,6 +339,8 @@ def to_response(result: GenerateResult, tokenizer: Any | None = None) -> Generat
         catalog_version=result.catalog_version,
         kv_recomputed_at=result.kv_recomputed_at or None,
         item_prefix_len=result.item_prefix_len,
+        gumbel_threshold=result.gumbel_threshold if _is_gumbel(result) else msgspec.UNSET,
+        **_mask_fields(top, result.text),
     )
     text = beam_text(top, tokenizer, result.text) if top is not None else ""
     return GenerateResponse(text=text, output_ids=result.output_ids, meta_info=meta)

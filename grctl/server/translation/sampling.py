@@ -36,7 +36,6 @@ _NEUTRAL_TOP: dict[str, tuple] = {
     "token_ids_logprob": ((),),
     "return_hidden_states": (False,),
     "custom_logit_processor": ("",),
-    "return_sampling_mask": (False,),
     "lora_path": ("",),
 }
 
@@ -68,6 +67,11 @@ def refuse_unimplemented(obj: Any, table: dict[str, tuple], where: str) -> None:
 def check_body(body: GenerateBody) -> None:
     """The top-level logprob and output options grctl does not implement: a 400 naming them."""
     refuse_unimplemented(body, _NEUTRAL_TOP, "")
+    if body.sampling_logprobs_mode is not None and not body.return_sampling_mask:
+        raise ValidationError(
+            "sampling_logprobs_mode can only be set when return_sampling_mask=true",
+            hint='send "return_sampling_mask": true, or leave sampling_logprobs_mode out',
+        )
 
 
 # sampling_params fields custom_params may carry: every one grctl implements. A gateway that
@@ -148,4 +152,5 @@ def text_options_of(body: GenerateBody, sp: SamplingParamsBody) -> TextOptions:
         no_stop_trim=sp.no_stop_trim,
         return_text_in_logprobs=body.return_text_in_logprobs,
         item_finish_reason=sp.item_finish_reason,
+        sampling_logprobs_mode=body.sampling_logprobs_mode or "selected",
     )
