@@ -71,7 +71,8 @@ def test_every_rollout_carries_the_label_of_its_step(trained, task):
 
 def test_logprobs_equal_transformers_on_the_pushed_weights(trained, srv, task):
     """After the loop the server holds step-STEPS: a fresh rollout's logprobs against a plain
-    transformers forward of the trainer's model (log_softmax at T = 1, no catalog mask)."""
+    transformers forward of the trainer's model (log_softmax at T = 1 renormalised over the
+    catalog's children of each prefix: the behaviour policy's)."""
     trainer, rows, _ = trained
     assert max(r.stats.max_abs_log_ratio for r in rows) < 1e-4
     with GRClient(srv.url) as gr:
@@ -82,5 +83,9 @@ def test_logprobs_equal_transformers_on_the_pushed_weights(trained, srv, task):
         ids = torch.tensor([s.prompt + s.output_ids])
         with torch.no_grad():
             lps = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
-        want = [lps[len(s.prompt) - 1 + t, tok].item() for t, tok in enumerate(s.output_ids)]
+        want = []
+        for t, tok in enumerate(s.output_ids):
+            row = lps[len(s.prompt) - 1 + t]
+            kids = list(task.children[tuple(s.output_ids[:t])])
+            want.append((row[tok] - row[kids].logsumexp(0)).item())
         assert s.logprobs == pytest.approx(want, abs=1e-4)

@@ -66,9 +66,9 @@ def test_a_step_moves_probability_to_the_better_sample(task):
     samples[0].reward, samples[1].reward = 1.0, 0.0
     with torch.no_grad():
         _, before, _ = trainer.logprobs(samples)
-    raw, _, _ = trainer.logprobs(samples)
-    for s, lps in zip(samples, raw.tolist(), strict=True):
-        s.logprobs = lps  # as if grctl had served these weights
+    _, masked, _ = trainer.logprobs(samples)
+    for s, lps in zip(samples, masked.tolist(), strict=True):
+        s.logprobs = lps  # as if grctl had served these weights (its behaviour logprobs)
     stats = trainer.step(samples, [0, 0])
     with torch.no_grad():
         _, after, _ = trainer.logprobs(samples)

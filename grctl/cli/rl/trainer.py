@@ -3,10 +3,11 @@ trainer holds its own), the log-probabilities it recomputes for the rollouts, an
 policy-gradient step with a group baseline (GRPO's advantage).
 
 Two log-probabilities per output token: `raw`, log_softmax(logits / T) over the whole
-vocabulary, which is what grctl reports (before the catalog mask), so the two must agree on
-the same weights; and `masked`, the same logits renormalised over the catalog's allowed
-tokens at that position, the distribution the server actually samples from under its catalog,
-which the policy gradient differentiates.
+vocabulary (what grctl reports with return_original_logprob); and `masked`, the same logits
+renormalised over the catalog's allowed tokens at that position, the distribution the server
+actually samples from under its catalog, which grctl reports by default (the behaviour
+policy's), so the two must agree on the same weights, and which the policy gradient
+differentiates.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class Sample:
 @dataclass
 class StepStats:
     loss: float
-    max_abs_log_ratio: float  # max |trainer's raw logprob - grctl's| before the update (log r)
+    max_abs_log_ratio: float  # max |trainer's masked logprob - grctl's| before the update
     kl: float  # KL(rollout policy || updated policy), k3 estimate summed over tokens, mean
 
 
@@ -104,7 +105,8 @@ class Trainer:
         served = torch.zeros_like(raw)
         for i, s in enumerate(samples):
             served[i, : len(s.logprobs)] = torch.tensor(s.logprobs)
-        log_ratio = (raw.detach() - served).masked_fill(~valid, 0.0)
+        # the served logprobs are the behaviour policy's: the catalog-masked distribution
+        log_ratio = (masked.detach() - served).masked_fill(~valid, 0.0)
         rewards = torch.tensor([s.reward for s in samples])
         groups = torch.tensor(group_of)
         advantages = torch.zeros_like(rewards)
