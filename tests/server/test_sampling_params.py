@@ -59,8 +59,9 @@ def test_beam_width_reply_is_sglangs(http):
     assert beams[0]["meta_info"]["completion_tokens"] == meta["completion_tokens"] == 9
     assert meta["sequence_score"] == beams[0]["meta_info"]["sequence_score"]
     for b in beams[1:]:
-        # SGLang's keys, and the behaviour log-probability of the sequence (issue 25)
-        assert set(b["meta_info"]) == {"finish_reason", "sequence_score", "sampling_logprob"}
+        # SGLang's keys, the beam's weight-version spans and its behaviour log-probability
+        keys = {"finish_reason", "sequence_score", "weight_versions", "sampling_logprob"}
+        assert set(b["meta_info"]) == keys
     assert beams[0]["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
     # grctl's own form (no beam_width) is unchanged: no summed count on beam 0
     assert "completion_tokens" not in full["beam_results"][0]["meta_info"]
