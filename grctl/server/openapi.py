@@ -23,6 +23,7 @@ from litestar.static_files import create_static_files_router
 from swagger_ui_bundle import swagger_ui_path
 
 import grctl
+from grctl.errors import NotFound
 from grctl.protocol.info import ErrorResponse
 
 ASSETS = "/docs/assets"
@@ -72,7 +73,19 @@ def openapi_config() -> OpenAPIConfig:
     )
 
 
+def plain_asset_name(connection, _handler) -> None:
+    """A name no file system holds (a segment over 255 bytes) is a 404, not the 500 of the
+    static files router's OSError (ENAMETOOLONG)."""
+    name = str(connection.path_params.get("file_path", ""))
+    if len(name) > 1024 or any(len(part.encode()) > 255 for part in name.split("/")):
+        raise NotFound("no such asset", hint=f"the page at /docs loads its files from {ASSETS}")
+
+
 def swagger_assets() -> Router:
     return create_static_files_router(
-        path=ASSETS, directories=[swagger_ui_path], opt=EXEMPT, include_in_schema=False
+        path=ASSETS,
+        directories=[swagger_ui_path],
+        opt=EXEMPT,
+        include_in_schema=False,
+        guards=[plain_asset_name],
     )

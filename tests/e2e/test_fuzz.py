@@ -5,19 +5,27 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import socket
 import tempfile
+import time
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from litestar import post
+from litestar.datastructures import State
 
+from grctl.server.offload import offload
 from grctl.weights.wire.encode import MultiprocessingSerializer
 from grctl.weights.wire.records import FlattenedTensorMetadata
 from tests.support import hostile_pickles
+from tests.support.appserver import app_server
 from tests.support.checkpoints import write_checkpoint
+from tests.support.stall import calm_health, health_while
 from tests.support.weight_helpers import served_greedy, served_sha256
 
 pytestmark = pytest.mark.timeout(300)
@@ -575,3 +583,430 @@ def test_still_serving_the_same_model(http, baseline):
     http.post("/continue_generation")
     assert served_sha256(http) == baseline[0]
     assert served_greedy(http, [3, 4, 5])["output_ids"] == baseline[1]
+
+
+# ---- the guard: every route of the app's own table is attacked, and none stalls the loop ----
+#
+# The routes come from Litestar's route table, so a route added tomorrow is attacked by the
+# generated cases below (wrong types, huge numbers, deep nesting, huge strings, from its body
+# Struct's fields and its query and path parameters) and must name its worst accepted input in
+# WORST, which the stall probe runs while /health must keep answering within 100 ms: CPU work a
+# handler does on the event loop (tokenizing, templating, parsing ids, building large replies)
+# instead of through server/offload.py fails it (test_the_probe_fails_a_route_on_the_loop).
+
+IGNORED_PARAMS = {"state", "request", "scope", "data", "headers", "socket"}
+HUGE_STR = "x" * 200_000
+HUGE_INT = 10**30
+
+
+def route_table(app) -> list[tuple[str, str, object]]:
+    """(method, path template, handler) of every route the app serves (HEAD/OPTIONS aside)."""
+    out = []
+    for route in app.routes:
+        for handler in getattr(route, "route_handlers", []):
+            for method in sorted(handler.http_methods - {"HEAD", "OPTIONS"}):
+                out.append((method, route.path, handler))
+    return out
+
+
+def body_type(handler):
+    """The msgspec Struct a handler decodes its body into, or None."""
+    data = handler.parsed_fn_signature.parameters.get("data")
+    if data is None:
+        return None
+    kinds = [a for a in getattr(data.annotation, "__args__", (data.annotation,)) if a is not None]
+    structs = [k for k in kinds if isinstance(k, type) and issubclass(k, msgspec.Struct)]
+    return structs[0] if structs else None
+
+
+def rejected(kind, body) -> bool:
+    """Whether the Struct itself refuses this body (then the route must answer 4xx)."""
+    try:
+        msgspec.json.decode(msgspec.json.encode(body), type=kind, strict=False)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return True
+    return False
+
+
+def concrete(template: str, value: str = "x") -> str:
+    return re.sub(r"\{[^}]+\}", value, template)
+
+
+def generated_cases(method: str, template: str, handler) -> list[tuple[str, str, object, bool]]:
+    """(kind, path, body or query, must be a 4xx) for one route."""
+    params = handler.parsed_fn_signature.parameters
+    path_params = re.findall(r"\{(\w+)", template)
+    query = [p for p in params if p not in IGNORED_PARAMS and p not in path_params]
+    cases: list[tuple[str, str, object, bool]] = []
+    if path_params:
+        cases.append(("huge_string", concrete(template, "y" * 5000), None, True))
+    path = concrete(template)
+    for name in query:
+        cases.append(("huge_string", path, {"query": {name: HUGE_STR[:5000]}}, False))
+        cases.append(("huge_number", path, {"query": {name: "1e400"}}, False))
+        cases.append(("wrong_type", path, {"query": {name: "[{}]"}}, False))
+    if method == "GET":
+        return cases
+    kind = body_type(handler)
+    strict = kind is not None  # the body is a Struct: anything it refuses must be a 4xx
+    cases += [
+        ("wrong_type", path, [1, 2, 3], strict),
+        ("wrong_type", path, "7", strict),
+        ("deep_nesting", path, DEEP, strict),
+        ("huge_string", path, json.dumps(HUGE_STR), strict),
+    ]
+    for field in msgspec.structs.fields(kind) if kind is not None else ():
+        for case, value in (
+            ("wrong_type", {"$": [[{"a": None}]]}),
+            ("wrong_type", [[[True]]]),
+            ("huge_number", HUGE_INT),
+            ("huge_number", -HUGE_INT),
+            ("huge_string", HUGE_STR),
+            ("deep_nesting", json.loads("[" * 500 + "]" * 500)),
+        ):
+            body = {field.name: value}
+            cases.append((case, path, body, rejected(kind, body)))
+    return cases
+
+
+@pytest.fixture(scope="module")
+def table(root):
+    """The route table of the app `grctl serve` builds (in process: only its routes are read)."""
+    with app_server("--allow-weight-update", "--allow-catalog-reload") as app:
+        return route_table(app.app)
+
+
+def refused_whole(handler) -> bool:
+    """server/routes/unsupported.py's routes: SGLang's, for transports grctl does not have."""
+    return handler.fn.__module__ == "grctl.server.routes.unsupported"
+
+
+def reset_state(http) -> None:
+    """What an accepted case may have left on: undone before the next route's cases."""
+    for route in ("/continue_generation", "/resume_memory_occupation", "/stop_profile"):
+        http.post(route, json={})
+    http.post("/end_weight_update", json={})
+    http.post("/abort_request", json={"abort_all": True})
+
+
+@pytest.mark.slow  # about 30 s: some 700 cases over every route
+def test_every_route_in_the_table_is_attacked(srv, http, baseline, table):
+    """Each generated case: never a 5xx, a 4xx in the error shape (a 4xx wherever the route's
+    body Struct refuses it), the server alive and the weights unchanged after each route."""
+    failures, seen = [], {}
+    for method, template, handler in table:
+        kinds = set()
+        for kind, path, body, must_4xx in generated_cases(method, template, handler):
+            kinds.add(kind)
+            if isinstance(body, dict) and "query" in body:
+                resp = http.request(method, path, params=body["query"])
+            else:
+                resp = send(http, method, path, body)
+            if resp.status_code == 501 and refused_whole(handler):
+                continue  # SGLang's routes grctl does not serve: 501 for any body
+            bad = resp.status_code >= 500 or (must_4xx and not 400 <= resp.status_code < 500)
+            if 400 <= resp.status_code < 500 and resp.headers.get("content-type", "").startswith(
+                "application/json"
+            ):
+                err = resp.json().get("error") if isinstance(resp.json(), dict) else None
+                bad = bad or not (err and set(err) == {"code", "message", "retryable", "status"})
+            if bad:
+                shown = str(body)[:80]
+                failures.append(f"{method} {template} [{kind}] {shown}: {resp.status_code}")
+        seen[(method, template)] = kinds
+        reset_state(http)
+        assert http.get("/health").status_code == 200, (method, template)
+    assert served_sha256(http) == baseline[0]
+    assert not failures, "\n".join(failures[:40])
+    for (method, template), kinds in seen.items():  # every body route got every kind
+        want = {"wrong_type", "deep_nesting", "huge_string"} if method != "GET" else set()
+        assert want <= kinds, (method, template, kinds)
+
+
+# ---- the stall probe: each route's worst accepted input, /health within 100 ms meanwhile ----
+
+STALL_LIMIT_S = 0.1
+WORDS = " ".join(f"t{3 + i % 120}" for i in range(400))  # 400 tokens of the word tokenizer
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% for w in m['content'].split(' ') %}{{ w }} {% endfor %}"
+    "{% endfor %}{% if add_generation_prompt %}t1{% endif %}"
+)
+NUM_ITEMS = 50_000
+
+
+@pytest.fixture(scope="module")
+def probe_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("probe")
+    ckpt = write_checkpoint(root / "weights" / "base", seed=41)
+    from tests.support.checkpoints import write_word_tokenizer
+
+    write_word_tokenizer(ckpt)
+    config = json.loads((ckpt / "tokenizer_config.json").read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(config))
+    lines = (
+        json.dumps({"item_id": i, "token_ids": [3 + i % 100, 3 + i // 100 % 100, 3 + i // 10**4]})
+        for i in range(NUM_ITEMS)
+    )
+    (root / "weights" / "items.jsonl").write_text("\n".join(lines) + "\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def probe(start_server, probe_root):
+    """A server with everything a route may work on: a tokenizer and chat template, a
+    50,000-item catalog, weight, catalog and profile routes on."""
+    w = probe_root / "weights"
+    return start_server(
+        *("--model-path", str(w / "base"), "--weights-root", str(w)),
+        *("--catalog", str(w / "items.jsonl"), "--allow-catalog-reload"),
+        *("--allow-weight-update", "--torch-profiler-dir", str(probe_root / "traces")),
+    )
+
+
+def submitted(http, **extra) -> str:
+    """A finished request with a large reply (64 beams, their top logprobs), not yet fetched."""
+    sp = {"n": 64, "max_new_tokens": 3, "use_catalog": False}
+    body = {"text": WORDS, "sampling_params": sp, "return_logprob": True, "top_logprobs_num": 20}
+    rid = http.post("/submit", json={**body, **extra}).json()["request_id"]
+    while not http.get(f"/poll/{rid}").json()["ready"]:
+        time.sleep(0.05)
+    return rid
+
+
+def full_bucket(root: Path, keep: list) -> dict:
+    from tests.support.trainer_side import hf_state, tensor_entry
+
+    entry = tensor_entry(hf_state(root / "weights" / "base"), keep)
+    return {"serialized_named_tensors": [entry], "load_format": "flattened_bucket"}
+
+
+# "METHOD[|METHOD] template" -> (setup(http, root, keep) -> (method, path, kwargs), accepted):
+# the worst input each route accepts here; accepted False where the worst one this test can run
+# is a refusal (no peer to join, SGLang's routes grctl answers 501).
+def _w(method, path, accepted=True, setup=None, **kw):
+    return (
+        lambda http, root, keep: (method, path, kw) if setup is None else setup(http, root, keep)
+    ), accepted
+
+
+def _generate_batch(http, root, keep):
+    return (
+        "POST",
+        "/generate",
+        {"json": {"text": [WORDS] * 96, "sampling_params": {"max_new_tokens": 1}}},
+    )
+
+
+def _submit_excluding(http, root, keep):
+    sp = {"max_new_tokens": 1, "exclude_item_ids": list(range(NUM_ITEMS))}
+    return "POST", "/submit", {"json": {"text": WORDS, "sampling_params": sp}}
+
+
+def _submit_many(http, root, keep):
+    sp = {"max_new_tokens": 1, "exclude_item_ids": list(range(0, NUM_ITEMS, 20))}
+    rows = [{"text": WORDS, "sampling_params": sp} for _ in range(32)]
+    return "POST", "/submit_many", {"json": {"requests": rows}}
+
+
+def _poll(http, root, keep):
+    return "GET", f"/poll/{submitted(http)}", {}
+
+
+def _result(http, root, keep):
+    return "GET", f"/result/{submitted(http)}", {}
+
+
+def _cancel(http, root, keep):
+    rid = http.post("/submit", json={"input_ids": [1] * 300}).json()["request_id"]
+    return "POST", "/cancel", {"json": {"request_id": rid}}
+
+
+def _tensor(http, root, keep):
+    return "POST", "/update_weights_from_tensor", {"json": full_bucket(root, keep)}
+
+
+def _end_session(http, root, keep):
+    http.post("/begin_weight_update", json={})
+    return "POST", "/end_weight_update", {"json": {}}
+
+
+def _resume(http, root, keep):
+    http.post("/release_memory_occupation", json={})
+    return "POST", "/resume_memory_occupation", {"json": {}}
+
+
+def _rollback(http, root, keep):
+    http.post("/catalog/reload", json={"path": str(root / "weights" / "items.jsonl")})
+    return "POST", "/catalog/rollback", {"json": {}}
+
+
+def _stop_profile(http, root, keep):
+    http.post("/start_profile", json={"num_steps": 50})
+    http.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 8}})
+    return "POST", "/stop_profile", {"json": {}}
+
+
+CHAT = [{"role": "user", "content": WORDS[:40]} for _ in range(40)]  # 400 tokens in all
+WORST = {
+    "POST /generate": _w(None, None, setup=_generate_batch),
+    "POST /submit": _w(None, None, setup=_submit_excluding),
+    "POST /submit_many": _w(None, None, setup=_submit_many),
+    "GET /poll/{request_id:str}": _w(None, None, setup=_poll),
+    "GET /result/{request_id:str}": _w(None, None, setup=_result),
+    "POST /cancel": _w(None, None, setup=_cancel),
+    "POST /abort_request": _w("POST", "/abort_request", json={"abort_all": True}),
+    "GET /health": _w("GET", "/health"),
+    "GET /ready": _w("GET", "/ready"),
+    "GET /status": _w("GET", "/status"),
+    "GET /metrics": _w("GET", "/metrics"),
+    "GET /get_server_info": _w("GET", "/get_server_info"),
+    "GET /server_info": _w("GET", "/server_info"),
+    "GET /parallelism_config": _w("GET", "/parallelism_config", params={"rank": 0}),
+    "GET /model_info": _w("GET", "/model_info"),
+    "GET /get_model_info": _w("GET", "/get_model_info"),
+    "GET /health_generate": _w("GET", "/health_generate"),
+    "POST /flush_cache": _w("POST", "/flush_cache", json={}),
+    "GET /flush_cache": _w("GET", "/flush_cache"),
+    "GET /v1/loads": _w("GET", "/v1/loads", params={"include": "all"}),
+    "GET /loads": _w("GET", "/loads", params={"include": "all"}),
+    "POST /pause_generation": _w("POST", "/pause_generation", json={"mode": "abort"}),
+    "POST /continue_generation": _w("POST", "/continue_generation", json={}),
+    "GET /get_weight_version": _w("GET", "/get_weight_version"),
+    "POST /update_weight_version": _w("POST", "/update_weight_version", json={"new_version": "p"}),
+    "GET|POST /get_weights_by_name": _w(
+        "POST",
+        "/get_weights_by_name",
+        json={"name": "model.embed_tokens.weight", "truncate_size": 10**6},
+    ),
+    "POST /begin_weight_update": _w("POST", "/begin_weight_update", json={}),
+    "POST /end_weight_update": _w(None, None, setup=_end_session),
+    "GET|POST /weights_checker": _w("POST", "/weights_checker", json={"action": "checksum"}),
+    "POST /update_weights_from_disk": _w(
+        None,
+        None,
+        setup=lambda http, root, keep: (
+            "POST",
+            "/update_weights_from_disk",
+            {"json": {"model_path": str(root / "weights" / "base")}},
+        ),
+    ),
+    "POST /update_weights_from_tensor": _w(None, None, setup=_tensor),
+    "POST /init_weights_update_group": _w(
+        "POST", "/init_weights_update_group", accepted=False, json={"world_size": 1}
+    ),
+    "POST /update_weights_from_distributed": _w(
+        "POST",
+        "/update_weights_from_distributed",
+        accepted=False,
+        json={"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[16]]},
+    ),
+    "POST /destroy_weights_update_group": _w(
+        "POST", "/destroy_weights_update_group", accepted=False, json={}
+    ),
+    "GET|POST /release_memory_occupation": _w("POST", "/release_memory_occupation", json={}),
+    "GET|POST /resume_memory_occupation": _w(None, None, setup=_resume),
+    "GET /catalog/status": _w("GET", "/catalog/status"),
+    "POST /catalog/reload": _w(
+        None,
+        None,
+        setup=lambda http, root, keep: (
+            "POST",
+            "/catalog/reload",
+            {"json": {"path": str(root / "weights" / "items.jsonl")}},
+        ),
+    ),
+    "POST /catalog/rollback": _w(None, None, setup=_rollback),
+    "GET /v1/models": _w("GET", "/v1/models"),
+    "GET /v1/models/{model:path}": _w("GET", "/v1/models/x", accepted=False),
+    "POST /v1/completions": _w(
+        "POST", "/v1/completions", json={"prompt": [WORDS] * 96, "max_tokens": 1, "logprobs": 5}
+    ),
+    "POST /v1/chat/completions": _w(
+        "POST",
+        "/v1/chat/completions",
+        json={"messages": CHAT, "max_tokens": 2, "logprobs": True, "top_logprobs": 20, "n": 8},
+    ),
+    "GET|POST /start_profile": _w("POST", "/start_profile", json={}),
+    "GET|POST /stop_profile": _w(None, None, setup=_stop_profile),
+    "GET /docs/assets/{file_path:path}": _w("GET", "/docs/assets/swagger-ui-bundle.js"),
+    "GET /docs": _w("GET", "/docs"),
+    "GET /": _w("GET", "/"),
+    "GET /schema/openapi.json": _w("GET", "/schema/openapi.json"),
+    "GET /openapi.json": _w("GET", "/openapi.json"),
+    "GET /oauth2-redirect.html": _w("GET", "/oauth2-redirect.html"),
+}
+
+
+def worst_of(method: str, template: str, handler):
+    """The route's WORST entry; SGLang's routes grctl refuses share one (any body: a 501)."""
+    for key, entry in WORST.items():
+        methods, path = key.split(" ", 1)
+        if path == template and method in methods.split("|"):
+            return entry
+    if refused_whole(handler):
+        return _w(method, template, accepted=False, json={"x": HUGE_STR})
+    return None
+
+
+def test_every_route_names_its_worst_input(table):
+    missing = sorted({f"{m} {t}" for m, t, h in table if worst_of(m, t, h) is None})
+    assert not missing, f"add these routes' worst accepted input to WORST: {missing}"
+
+
+@pytest.mark.slow  # about 80 s: every route's worst input, one after another
+def test_no_route_stalls_the_event_loop(probe, probe_root, table):
+    """While each route's worst accepted input runs, /health answers within 100 ms (the best
+    of three tries: a loaded machine may delay one poll)."""
+    stalls, refused = [], []
+    handled = set()
+    with probe.client(timeout=120) as http:
+        for method, template, handler in table:
+            entry = worst_of(method, template, handler)
+            if id(entry) in handled or entry is None:
+                continue
+            handled.add(id(entry))
+            make, accepted = entry
+            keep: list = []
+
+            def action(client, make=make, keep=keep):
+                m, path, kw = make(client, probe_root, keep)
+                return client.request(m, path, **kw)
+
+            worst, replies = calm_health(
+                lambda: probe.client(timeout=120), action, limit_s=STALL_LIMIT_S
+            )
+            code = replies[-1].status_code
+            if accepted and code >= 400 or not accepted and code < 400:
+                refused.append(f"{method} {template}: {code} {replies[-1].text[:120]}")
+            if worst >= STALL_LIMIT_S:
+                stalls.append(f"{method} {template}: /health took {worst * 1000:.0f} ms")
+            reset_state(http)
+            keep.clear()
+    assert not refused, "\n".join(refused)
+    assert not stalls, "\n".join(stalls)
+
+
+def test_the_probe_fails_a_route_on_the_loop():
+    """The probe's proof: a route tokenizing on the event loop stalls /health past the limit,
+    the same work through offload() does not."""
+
+    def tokenize(n: int = 400_000) -> int:  # the CPU work a careless handler does inline
+        return sum(len(f"t{i % 128}".split("t")) for i in range(n))
+
+    @post("/bad_route_on_the_loop", status_code=200)
+    async def bad() -> dict:
+        return {"n": tokenize()}
+
+    @post("/good_route_offloaded", status_code=200)
+    async def good(state: State) -> dict:
+        return {"n": await offload(state, tokenize)}
+
+    with app_server() as srv:
+        srv.app.register(bad)
+        srv.app.register(good)
+        worst_bad, replies = health_while(srv.client, lambda c: c.post("/bad_route_on_the_loop"))
+        assert replies.status_code == 200
+        assert worst_bad >= STALL_LIMIT_S, f"/health took {worst_bad * 1000:.0f} ms"
+        worst_good, _ = calm_health(srv.client, lambda c: c.post("/good_route_offloaded"))
+        assert worst_good < STALL_LIMIT_S, f"/health took {worst_good * 1000:.0f} ms"
