@@ -228,30 +228,28 @@ def run_rl_demo(
     lr: float | None = None,
     plot: Path | None = Path("rl_reward.png"),
 ) -> list:
-    """The RL loop against a server started here with the task's catalog; returns its rows."""
-    from grctl.cli.rl.loop import check, run_loop, summary, write_curve
+    """The RL loop against a server started here with the task's catalog; returns its rows.
+    The server starts with OMP_WAIT_POLICY=passive (unless set): its idle OpenMP threads sleep
+    instead of spinning on the cores the trainer's step needs (grctl/cli/rl/trainer.py)."""
+    from grctl.cli.rl.loop import check, report, run_loop, write_curve
     from grctl.cli.rl.task import make_task
     from grctl.cli.rl.trainer import DEFAULT_LR
 
     task = make_task()
     lr = DEFAULT_LR if lr is None else lr
+    os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # read by the server at its start
     with tempfile.TemporaryDirectory(prefix="grctl-rl-") as tmp:
         root = Path(tmp)
         catalog = task.write_catalog(root / "catalog.jsonl")
         with demo_server(device, root / "server.log", catalog) as url:
             console.print(
                 f"demo server at {url} ({device}): {len(task.items)} items, "
-                f"{task.num_users} users x {group} samples per step"
+                f"{task.num_users} users x {group} beams per step"
             )
             rows = run_loop(url, task, steps=steps, group=group, lr=lr, console=console)
     check(rows)
-    s = summary(rows)
-    console.print(
-        f"mean reward, first 5 steps {s['reward_first']:.3f} -> last 5 {s['reward_last']:.3f}; "
-        f"max |log r| {s['max_abs_log_ratio']:.1e}; per step: rollout {s['rollout_s']:.2f} s, "
-        f"train {s['train_s']:.2f} s, push {s['push_s']:.2f} s"
-    )
+    report(console, rows)
     if plot is not None:
         written = write_curve(rows, plot)
-        console.print(f"reward curve: {written}" if written else "no curve: matplotlib missing")
+        console.print(f"curves: {written}" if written else "no curves: matplotlib missing")
     return rows

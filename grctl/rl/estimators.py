@@ -18,7 +18,10 @@ The unordered set estimator (Kool, van Hoof and Welling 2020) uses only the set'
 log-probabilities: with P(S) the probability of drawing the set S in any order and P^{D\\s}
 that of drawing S \\ {s} from the policy with s removed, R(S, s) = P^{D\\s}(S \\ {s}) / P(S) and
 
-    E_q[f] = E[ sum_{s in S} q(s) R(S, s) f(s) ].
+    E_q[f] = E[ sum_{s in S} q(s) R(S, s) f(s) ],
+
+and since P(S) = sum_s q(s) P^{D\\s}(S \\ {s}) (the first draw is one of S), the weights sum to 1:
+the estimate is a weighted mean of the beams' f.
 
 Both probabilities are integrals over one uniform u (the complement's largest key is
 Gumbel(log b), b = 1 - sum_{s in S} q(s)): with a_j = q(j) / b,

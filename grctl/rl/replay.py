@@ -26,7 +26,9 @@ import numpy as np
 import torch
 
 from grctl.catalog.exclusions import excluded_nodes
+from grctl.catalog.loader import parse_catalog
 from grctl.catalog.store import Catalog, build_catalog
+from grctl.catalog.trie import Trie
 from grctl.errors import ValidationError
 
 NEG_INF = float("-inf")
@@ -36,7 +38,7 @@ NEG_INF = float("-inf")
 class Filters:
     """What a request's sampling_params say about its distribution (SGLang's names)."""
 
-    temperature: float = 1.0  # 0 (deterministic beams) replays as 1
+    temperature: float = 1.0  # 0 (deterministic beams): T = 1 and no top_k / top_p / min_p
     top_k: int = -1  # -1 or >= the allowed set: off
     top_p: float = 1.0
     min_p: float = 0.0
@@ -88,6 +90,13 @@ class CatalogReplay:
     def load(cls, path: str, vocab_size: int | None = None) -> CatalogReplay:
         """Read the catalog file the server loads (`grctl serve --catalog PATH`)."""
         return cls(build_catalog(str(path), 0, torch.device("cpu"), vocab_size=vocab_size))
+
+    @classmethod
+    def parse(cls, data: bytes, vocab_size: int | None = None) -> CatalogReplay:
+        """The same from the file's bytes (JSON lines)."""
+        rows = parse_catalog(data, vocab_size=vocab_size)
+        trie = Trie(rows.paths, rows.lengths, torch.device("cpu"))
+        return cls(Catalog(0, trie, rows.ids, "<bytes>", 0.0, rows.file_bytes))
 
     def _banned_nodes(self, ids: tuple) -> np.ndarray:
         key = tuple(sorted(map(str, ids)))
@@ -197,9 +206,11 @@ def kept(lp: torch.Tensor, filters: Sequence[Filters]) -> torch.Tensor:
     """lp [B, T, W] tempered log-probabilities over the allowed set (-inf: not allowed) -> the
     tokens top_k / top_p / min_p keep, each judged on lp: top-k the k most likely, top-p the
     most likely until the mass before a token passes p (the first always kept), min-p those at
-    least min_p times as likely as the most likely."""
+    least min_p times as likely as the most likely. Deterministic beams (temperature 0) rank the
+    whole allowed set: no filter applies."""
     b, t, w = lp.shape
     keep = torch.ones_like(lp, dtype=torch.bool)
+    filters = [f if f.temperature > 0 else Filters() for f in filters]  # beams search it all
     top_k = torch.tensor([f.top_k if 0 < f.top_k < w else w for f in filters])[:, None, None]
     top_p = torch.tensor([f.top_p for f in filters], dtype=lp.dtype)[:, None, None]
     min_p = torch.tensor([f.min_p for f in filters], dtype=lp.dtype)[:, None, None]

@@ -81,7 +81,9 @@ def test_unordered_set_estimates_are_exact_in_expectation(k, seed):
         prob = ordered_prob(p, seq)
         idx = list(seq)
         lq = logp.detach()[idx]
-        estimate += prob * float((unordered_set_weights(lq) * f[idx]).sum())
+        w = unordered_set_weights(lq)
+        assert float(w.sum()) == pytest.approx(1.0, abs=1e-9)  # P(S) = sum_s q(s) P(S\s)
+        estimate += prob * float((w * f[idx]).sum())
         c = unordered_set_advantages(lq, f[idx])
         surrogate = surrogate + prob * (c * logp[idx]).sum()
     exact = float((logp.exp() * f).sum().detach())

@@ -63,7 +63,10 @@ def allowed(items, prefix, f: Filters):
 
 
 def reference(logits_row: torch.Tensor, support: list[int], token: int, f: Filters) -> float:
-    """One token's behaviour log-probability, row by row in float64."""
+    """One token's behaviour log-probability, row by row in float64 (temperature 0:
+    deterministic beams, T = 1 and no filter)."""
+    if f.temperature == 0:
+        f = Filters(min_new_tokens=f.min_new_tokens, exclude_item_ids=f.exclude_item_ids)
     z = {v: float(logits_row[v]) / f.tau for v in support}
     lse = math.log(sum(math.exp(x) for x in z.values()))
     lp = {v: x - lse for v, x in z.items()}
@@ -98,6 +101,7 @@ FILTERS = [
     Filters(top_p=0.6),
     Filters(temperature=0.8, min_p=0.2),
     Filters(top_k=4, top_p=0.8, min_p=0.05),
+    Filters(temperature=0.0, top_k=1, top_p=0.1),  # filters do not apply to beam search
 ]
 
 

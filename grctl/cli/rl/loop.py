@@ -1,14 +1,19 @@
 """The RL loop: rollouts through a real grctl server, the update in this process, the push of
 the new weights back, step after step, with a Rich table of each step.
 
-Step k rolls out under the weights labelled `step-k`: for every user, a group of items sampled
-at temperature 1 under the served catalog (stochastic beams: distinct items), with grctl's
-per-token logprobs of each. The trainer recomputes those logprobs on the same weights (their
-gap is the importance ratio's log r, zero up to float error), takes one policy-gradient step
-with the group's mean reward as baseline, and pushes the tensors it holds by the sync
-sequence (pause, flush, update, label `step-k+1`, resume), with no checkpoint written. Before
-step 0 the trainer's weights are pushed as `step-0`, so the server serves exactly what the
-trainer holds whatever it started with.
+Step k rolls out under the weights labelled `step-k`: for every user one request of `group`
+stochastic beams at temperature 1 under the served catalog (distinct items, a sample without
+replacement), with each beam's behaviour logprobs, `sampling_logprob` and the request's
+`gumbel_threshold`. The trainer (trainer.py) takes its update from them and pushes the tensors
+it holds by the sync sequence (pause, flush, update, label `step-k+1`, resume), with no
+checkpoint written. Before step 0 the trainer's weights are pushed as `step-0`, so the server
+serves exactly what the trainer holds whatever it started with.
+
+What each row reports, separately: the policy's exact expected reward E_pi[r] and its KL to the
+frozen reference (enumerated over the whole catalog, the served policy of that step), the
+estimator's E[r] from the beams, the plain mean reward of the beams, their slate metrics
+(Recall@K, NDCG@K against the user's favourites, beams in the reply's order), and the ratio
+statistics (the first epoch's max |rho - 1|, which the loop requires under RATIO_TOLERANCE).
 """
 
 from __future__ import annotations
@@ -17,90 +22,95 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rich import box
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
 from grctl.cli.rl.task import Task
-from grctl.cli.rl.trainer import DEFAULT_LR, Sample, StepStats, Trainer
+from grctl.cli.rl.trainer import DEFAULT_LR, Group, Sample, StepStats, Trainer, slate_metrics
 from grctl.client.http import GRClient
 from grctl.client.sync import WeightSync
-from grctl.errors import GrctlError, ValidationError
+from grctl.errors import GrctlError
 from grctl.model.builtin import SID_LEVELS
 
-LOGPROB_TOLERANCE = 1e-4  # fp32: the server's decode and the trainer's forward on one weights
+RATIO_TOLERANCE = 1e-4  # fp32: the server's decode and the trainer's replay on one weights
 
 
 @dataclass
 class StepRow:
     step: int
     weight_version: str  # the label the server reported on the step's rollouts
-    reward: float  # mean over the step's samples
+    exact_reward: float  # E_pi[r] of the served policy, mean over users (enumerated)
+    kl_ref: float  # KL(pi || pi_ref), mean over users (enumerated)
+    beam_reward: float  # the plain mean over the step's beams (biased: without replacement)
+    recall: float  # Recall@group, mean over users
+    ndcg: float  # NDCG@group, mean over users
     stats: StepStats
     rollout_s: float
+    eval_s: float
     train_s: float
     push_s: float
-    samples: list[Sample] = field(repr=False, default_factory=list)
+    groups: list[Group] = field(repr=False, default_factory=list)
 
 
-ROLLOUTS = ("beams", "samples")
-
-
-def rollout(
-    gr: GRClient, task: Task, group: int, seed: int, how: str = "beams"
-) -> tuple[list[Sample], list[int]]:
-    """`group` items for every user, in one batch /generate at temperature 1 under the served
-    catalog, with logprobs; returns the samples and each one's group (its user).
-
-    how="beams": one request per user, `n = group` stochastic beams (distinct items, sampled
-    without replacement), each beam's logprobs under meta_info.beam_results[i].
-    how="samples": `group` independent requests per user (n = 1, seeds apart), which may name
-    one item twice (GRPO's sampling with replacement)."""
-    if how not in ROLLOUTS:
-        raise ValidationError(f"rollouts must be one of {ROLLOUTS}, not {how!r}")
-    sp = {"max_new_tokens": SID_LEVELS, "temperature": 1.0}
-    if how == "beams":
-        users = list(range(task.num_users))
-        params = [{**sp, "n": group, "seed": seed * len(users) + u} for u in users]
-    else:
-        users = [u for u in range(task.num_users) for _ in range(group)]
-        params = [{**sp, "seed": seed * len(users) + i} for i in range(len(users))]
+def rollout(gr: GRClient, task: Task, group: int, seed: int) -> list[Group]:
+    """One batch /generate: per user `group` stochastic beams at temperature 1 under the served
+    catalog, with logprobs; one Group per user, its beams in the reply's order."""
+    users = list(range(task.num_users))
+    sp = {"max_new_tokens": SID_LEVELS, "temperature": 1.0, "n": group}
+    params = [{**sp, "seed": seed * len(users) + u} for u in users]
     replies = gr.generate_batch([task.prompt(u) for u in users], params, return_logprob=True)
-    samples, groups = [], []
+    groups = []
     for user, reply in zip(users, replies, strict=True):
         meta = reply.meta_info
-        beams = (
-            [(b.output_ids, b.meta_info.output_token_logprobs) for b in meta.beam_results]
-            if how == "beams"
-            else [(reply.output_ids, meta.output_token_logprobs)]
-        )
-        for ids, logprobs in beams:
-            lps = [entry[0] for entry in logprobs or ()]
-            reward = task.reward(user, ids)
+        samples = []
+        for b in meta.beam_results:
+            lps = [entry[0] for entry in b.meta_info.output_token_logprobs or ()]
+            lq = b.meta_info.sampling_logprob
             samples.append(
-                Sample(user, task.prompt(user), list(ids), lps, meta.weight_version, reward)
+                Sample(
+                    user,
+                    task.prompt(user),
+                    list(b.output_ids),
+                    lps,
+                    sum(lps) if lq is None else lq,
+                    meta.weight_version,
+                    task.reward(user, b.output_ids),
+                )
             )
-            groups.append(user)
-    return samples, groups
+        threshold = meta.gumbel_threshold if isinstance(meta.gumbel_threshold, float) else None
+        groups.append(Group(user, samples, threshold, whole_support=threshold is None))
+    return groups
 
 
-COLUMNS = ("step", "weights", "reward", "KL", "max |log r|", "rollout ms", "train ms", "push ms")
+# E[r]: exact (enumerated) and the estimator's from the beams; beam: their plain mean; R, NDCG
+# @K; KL to the reference (exact); |rho-1|: the first epoch's worst; rho: the last epoch's range
+# (the time split is in summary())
+COLUMNS = ("step", "E\\[r]", "est.", "beam", "R@K", "NDCG", "KL ref", "|rho-1|", "rho")
 
 
 def step_table(rows: list[StepRow], total_steps: int) -> Table:
-    table = Table(title=f"grctl demo --rl: {len(rows)}/{total_steps} steps", title_justify="left")
+    table = Table(
+        title=f"grctl demo --rl: {len(rows)}/{total_steps} steps",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        padding=(0, 1),
+    )
     for col in COLUMNS:
-        table.add_column(col, justify="right")
+        table.add_column(col, justify="right", no_wrap=True)
     for r in rows:
+        s = r.stats
         table.add_row(
             str(r.step),
-            r.weight_version,
-            f"{r.reward:.3f}",
-            f"{r.stats.kl:.4f}",
-            f"{r.stats.max_abs_log_ratio:.1e}",
-            f"{1000 * r.rollout_s:.0f}",
-            f"{1000 * r.train_s:.0f}",
-            f"{1000 * r.push_s:.0f}",
+            f"{r.exact_reward:.3f}",
+            f"{s.estimate:.3f}",
+            f"{r.beam_reward:.3f}",
+            f"{r.recall:.3f}",
+            f"{r.ndcg:.3f}",
+            f"{r.kl_ref:.3f}",
+            f"{s.first_ratio_gap:.0e}",
+            f"{s.ratio_min:.2f}-{s.ratio_max:.2f}",
         )
     return table
 
@@ -113,13 +123,11 @@ def run_loop(
     group: int = 8,
     lr: float = DEFAULT_LR,
     bucket_mb: float = 64,
-    rollouts: str = "beams",
     trainer: Trainer | None = None,
     console: Console | None = None,
 ) -> list[StepRow]:
     """Train for `steps` steps against the server at `url`, which serves the built-in model
-    with `task`'s catalog and --allow-weight-update; `rollouts`: how each step samples (see
-    rollout). Returns one StepRow per step."""
+    with `task`'s catalog and --allow-weight-update. Returns one StepRow per step."""
     console = console or Console()
     trainer = trainer or Trainer(task, lr=lr)
     rows: list[StepRow] = []
@@ -131,49 +139,98 @@ def run_loop(
         sync.run(trainer.state_dict(), weight_version="step-0")
         for k in range(steps):
             t0 = time.perf_counter()
-            samples, groups = rollout(gr, task, group, seed=k, how=rollouts)
+            groups = rollout(gr, task, group, seed=k)
             t1 = time.perf_counter()
-            stats = trainer.step(samples, groups)
+            exact, kls = trainer.exact()  # the policy that was served for this rollout
             t2 = time.perf_counter()
-            sync.run(trainer.state_dict(), weight_version=f"step-{k + 1}")
+            stats = trainer.step(groups)
             t3 = time.perf_counter()
-            reward = sum(s.reward for s in samples) / len(samples)
+            sync.run(trainer.state_dict(), weight_version=f"step-{k + 1}")
+            t4 = time.perf_counter()
+            samples = [s for g in groups for s in g.samples]
+            slates = [
+                slate_metrics(
+                    [tuple(s.output_ids) for s in g.samples], task.preferred[g.user], k=group
+                )
+                for g in groups
+            ]
             versions = sorted({s.weight_version for s in samples})
             label = versions[0] if len(versions) == 1 else "mixed: " + ", ".join(versions)
-            rows.append(StepRow(k, label, reward, stats, t1 - t0, t2 - t1, t3 - t2, samples))
+            rows.append(
+                StepRow(
+                    step=k,
+                    weight_version=label,
+                    exact_reward=sum(exact) / len(exact),
+                    kl_ref=sum(kls) / len(kls),
+                    beam_reward=sum(s.reward for s in samples) / len(samples),
+                    recall=sum(m[0] for m in slates) / len(slates),
+                    ndcg=sum(m[1] for m in slates) / len(slates),
+                    stats=stats,
+                    rollout_s=t1 - t0,
+                    eval_s=t2 - t1,
+                    train_s=t3 - t2,
+                    push_s=t4 - t3,
+                    groups=groups,
+                )
+            )
             live.update(step_table(rows, steps), refresh=True)
     return rows
 
 
 def check(rows: list[StepRow]) -> None:
-    """Raise GrctlError unless every rollout of step k came from `step-k` and grctl's logprobs
-    equal the trainer's recompute within LOGPROB_TOLERANCE."""
+    """Raise GrctlError unless every rollout of step k came from `step-k` and the first epoch's
+    ratios (the trainer's replay against grctl's behaviour logprobs) are 1 within tolerance."""
     for r in rows:
-        wrong = {s.weight_version for s in r.samples} - {f"step-{r.step}"}
+        wrong = {s.weight_version for g in r.groups for s in g.samples} - {f"step-{r.step}"}
         if wrong:
             raise GrctlError(f"step {r.step}'s rollouts were generated under {sorted(wrong)}")
-        if r.stats.max_abs_log_ratio > LOGPROB_TOLERANCE:
+        gap = max(r.stats.first_ratio_gap, r.stats.max_token_gap)
+        if gap > RATIO_TOLERANCE:
             raise GrctlError(
-                f"step {r.step}: grctl's logprobs differ from the trainer's by "
-                f"{r.stats.max_abs_log_ratio:.1e} (more than {LOGPROB_TOLERANCE})"
+                f"step {r.step}: the trainer's replayed logprobs differ from grctl's by {gap:.1e} "
+                f"(more than {RATIO_TOLERANCE}): the two do not compute the same distribution"
             )
 
 
 def summary(rows: list[StepRow], last: int = 5) -> dict[str, float]:
-    """Mean reward of the first and last `last` steps, the worst log r, the time split."""
+    """First and last `last` steps' exact expected reward and beam mean, the worst first-epoch
+    ratio gap, the time split."""
     n = min(last, len(rows))
+
+    def mean(xs):
+        return sum(xs) / len(xs)
+
     return {
-        "reward_first": sum(r.reward for r in rows[:n]) / n,
-        "reward_last": sum(r.reward for r in rows[-n:]) / n,
-        "max_abs_log_ratio": max(r.stats.max_abs_log_ratio for r in rows),
-        "rollout_s": sum(r.rollout_s for r in rows) / len(rows),
-        "train_s": sum(r.train_s for r in rows) / len(rows),
-        "push_s": sum(r.push_s for r in rows) / len(rows),
+        "exact_reward_first": mean([r.exact_reward for r in rows[:n]]),
+        "exact_reward_last": mean([r.exact_reward for r in rows[-n:]]),
+        "beam_reward_first": mean([r.beam_reward for r in rows[:n]]),
+        "beam_reward_last": mean([r.beam_reward for r in rows[-n:]]),
+        "kl_ref_last": rows[-1].kl_ref,
+        "max_first_ratio_gap": max(r.stats.first_ratio_gap for r in rows),
+        "max_token_gap": max(r.stats.max_token_gap for r in rows),
+        "rollout_s": mean([r.rollout_s for r in rows]),
+        "eval_s": mean([r.eval_s for r in rows]),
+        "train_s": mean([r.train_s for r in rows]),
+        "push_s": mean([r.push_s for r in rows]),
     }
 
 
+def report(console: Console, rows: list[StepRow]) -> dict[str, float]:
+    s = summary(rows)
+    console.line()  # after the live table
+    console.print(
+        f"exact E\\[r], first 5 steps {s['exact_reward_first']:.3f} -> last 5 "
+        f"{s['exact_reward_last']:.3f} (beam mean {s['beam_reward_first']:.3f} -> "
+        f"{s['beam_reward_last']:.3f}); KL to the reference {s['kl_ref_last']:.4f}; first-epoch "
+        f"max |rho - 1| {s['max_first_ratio_gap']:.1e}; per step: rollout {s['rollout_s']:.2f} s, "
+        f"exact eval {s['eval_s']:.2f} s, train {s['train_s']:.2f} s, push {s['push_s']:.2f} s"
+    )
+    return s
+
+
 def write_curve(rows: list[StepRow], path: Path) -> Path | None:
-    """The reward curve as a PNG; None when matplotlib is not installed."""
+    """The curves as a PNG (exact E[r], the estimate, the beam mean, NDCG; KL on a second
+    axis); None when matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -181,13 +238,21 @@ def write_curve(rows: list[StepRow], path: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r.step for r in rows], [r.reward for r in rows], marker="o")
+    steps = [r.step for r in rows]
+    fig, (ax, kx) = plt.subplots(1, 2, figsize=(10, 3.6))
+    ax.plot(steps, [r.exact_reward for r in rows], marker="o", label="E[r] exact (enumerated)")
+    ax.plot(steps, [r.stats.estimate for r in rows], marker=".", label="E[r] estimate (beams)")
+    ax.plot(steps, [r.beam_reward for r in rows], marker="x", label="mean beam reward")
+    ax.plot(steps, [r.ndcg for r in rows], ls="--", label="NDCG@K")
     ax.set_xlabel("step")
-    ax.set_ylabel("mean reward")
-    ax.set_ylim(0, 1)
+    ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    kx.plot(steps, [r.kl_ref for r in rows], marker="o", color="tab:red")
+    kx.set_xlabel("step")
+    kx.set_ylabel("KL(pi || pi_ref), exact")
+    kx.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -44,10 +44,13 @@ class Task:
             best = max(best, shared)
         return best / SID_LEVELS
 
-    def write_catalog(self, path: Path) -> Path:
+    def catalog_bytes(self) -> bytes:
         """The catalog as `grctl serve --catalog` reads it (JSON lines)."""
         lines = (json.dumps({"item_id": i, "token_ids": list(p)}) for p, i in self.items.items())
-        path.write_text("\n".join(lines) + "\n")
+        return ("\n".join(lines) + "\n").encode()
+
+    def write_catalog(self, path: Path) -> Path:
+        path.write_bytes(self.catalog_bytes())
         return path
 
 
