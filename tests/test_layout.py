@@ -45,6 +45,8 @@ ALLOWED: dict[str, set[str]] = {
     "client": {"protocol", "weights", "weights.wire", "model", "errors"},
     # the trainer's side, imported beside its own model: never the server or engine internals
     "rl": {"client", "catalog", "protocol", "weights.wire", "model", "errors"},
+    # a trainer's own rollout code driving grctl servers (grctl/integrations/): HTTP only
+    "integrations": {"client", "protocol", "errors"},
     "cli": {
         "rl",
         "server",
