@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from grctl.engine import prompt_logprobs
 from grctl.engine.executor import Executor
 from grctl.engine.gate import PAUSE_MODES, Gate
-from grctl.engine.kv_cache import kv_bytes_budget, request_kv_bytes
+from grctl.engine.kv_cache import kv_bytes_budget, request_kv_bytes, top_logprobs_bytes
 from grctl.engine.memory import MemorySaver
 from grctl.engine.model_runner import ModelRunner
 from grctl.engine.prefix_cache import PrefixCache, weights_tag
@@ -204,6 +204,8 @@ class Engine:
         sp, cfg = req.sampling, self.model.config
         itemsize = self.model.embed_tokens.weight.element_size()
         kv = request_kv_bytes(cfg, itemsize, len(req.input_ids), sp.width, sp.max_new_tokens)
+        k = req.top_logprobs_num if req.return_logprob else 0
+        kv += top_logprobs_bytes(sp.width, sp.max_new_tokens, k)
         return kv + prompt_logprobs.bytes_of(req, cfg.vocab_size, cfg.hidden_size)
 
     def prefill_tokens_of(self, seq: Sequence) -> int:

@@ -85,6 +85,15 @@ def request_kv_bytes(cfg, itemsize: int, prompt_len: int, num_beams: int, max_ne
     return kv + LOGITS_COPIES * num_beams * cfg.vocab_size * 4
 
 
+TOP_PAIR_BYTES = 4 + 8  # an fp32 log-probability and its int64 token id
+
+
+def top_logprobs_bytes(num_beams: int, max_new: int, k: int) -> int:
+    """What a request asking for k top log-probabilities keeps while it runs: each step's
+    [beams, k] rows (StepState.rows_top, kept for the request's whole history)."""
+    return TOP_PAIR_BYTES * num_beams * k * max_new
+
+
 def kv_bytes_budget(config: EngineConfig, device: torch.device) -> int | None:
     """--max-kv-bytes, else a share of the GPU memory free now (the weights are loaded); None
     (no limit) on the CPU."""

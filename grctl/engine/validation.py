@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 MAX_REQUEST_ID_LEN = 256
 MAX_STOP_STRINGS = 32  # SGLang's limit
 MAX_EXCLUDED_ITEMS = 100_000
+# top logprobs one request may ask (k x beams x new tokens): 12 MiB of tensors while it runs
+MAX_TOP_LOGPROB_ENTRIES = 1 << 20
 # Each beam ranks 1 + len(stop ids) candidates per step: bounded, like the stop strings.
 MAX_STOP_TOKEN_IDS = 64
 
@@ -122,6 +124,13 @@ def _check_search(req: GenerateRequest, vocab: int, max_beam_width: int) -> None
     if not _is_int(req.top_logprobs_num) or not 0 <= req.top_logprobs_num <= vocab:
         raise ValidationError(
             f"top_logprobs_num must be in [0, {vocab}], got {req.top_logprobs_num!r}"
+        )
+    entries = req.top_logprobs_num * sp.width * sp.max_new_tokens if req.return_logprob else 0
+    if entries > MAX_TOP_LOGPROB_ENTRIES:
+        raise ValidationError(
+            f"top_logprobs_num {req.top_logprobs_num} x {sp.width} beams x {sp.max_new_tokens} "
+            f"tokens is {entries} entries; at most {MAX_TOP_LOGPROB_ENTRIES} per request",
+            hint="ask fewer top logprobs, beams or new tokens",
         )
     _check_prompt_scores(req)
 

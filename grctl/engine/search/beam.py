@@ -96,6 +96,9 @@ class StepState:
     first_rows: list[int] | None = None
     rows_top: tuple[torch.Tensor, torch.Tensor] | None = None
     rows_mask: tuple[torch.Tensor, torch.Tensor] | None = None
+    # rows_top holds only the requests that ask: request i's rows from top_first_rows[i] (-1:
+    # none); None when every request of the step asks (then first_rows)
+    top_first_rows: list[int] | None = None
 
 
 class Beams:

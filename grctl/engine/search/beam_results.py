@@ -81,7 +81,8 @@ class _RowReader:
         """(log-probability, token) of step t's row `slot`, best first, those of -inf left out."""
         if t not in self.steps:
             st, r = self.b.history[t]
-            first = st.first_rows[r]
+            firsts = st.top_first_rows if self.name == "rows_top" else None
+            first = (firsts if firsts is not None else st.first_rows)[r]
             num = 1 if t == 0 else self.b.width
             values, ids = getattr(st, self.name)
             self.steps[t] = (

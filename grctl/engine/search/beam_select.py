@@ -236,9 +236,33 @@ def _update(blocks: list[Block], c: Cands, lp, reasons, row_tables) -> None:
     over = torch.where(stoch[:, 0], run_key[:, 0] == NEG_INF, det_over)
     rows_top, rows_mask = row_tables
     firsts = [b.first_row for b in blocks]
-    state = StepState(run_f, run_i, pool_f, pool_i, dropped, firsts, rows_top, rows_mask)
+    rows_top, top_firsts = _asking_rows(rows_top, blocks)
+    state = StepState(
+        run_f, run_i, pool_f, pool_i, dropped, firsts, rows_top, rows_mask, top_firsts
+    )
     for i, (b, is_over) in enumerate(zip(beams, over.tolist(), strict=True)):
         b.advance(state, i, is_over)
+
+
+def _asking_rows(table, blocks: list[Block]):
+    """The step's top log-probabilities kept for the requests that ask only (a request that
+    does not, batched with one that does, holds no [rows, k] rows of its own), and where each
+    request's rows start in what is kept (-1: none)."""
+    if table is None:
+        return None, None
+    asks = [b.beams.top_logprobs > 0 for b in blocks]
+    if all(asks):
+        return table, None  # first_rows hold
+    firsts, rows, at = [], [], 0
+    for b, a in zip(blocks, asks, strict=True):
+        firsts.append(at if a else -1)
+        if a:
+            rows.append(np.arange(b.first_row, b.first_row + b.num_rows))
+            at += b.num_rows
+    if not rows:
+        return None, None
+    index = torch.from_numpy(np.concatenate(rows)).to(table[0].device)
+    return (table[0][index], table[1][index]), firsts
 
 
 def _cols(index: torch.Tensor, num: int) -> torch.Tensor:
