@@ -47,15 +47,17 @@ class Filters:
 
     @classmethod
     def of(cls, sampling_params: dict) -> Filters:
-        """From a /generate body's sampling_params (missing keys: the server's defaults)."""
-        sp = sampling_params
+        """From a /generate body's sampling_params, as the server reads them: missing keys
+        take its defaults (temperature 0: deterministic beams), and grctl's fields may also
+        sit in `custom_params` (the form a router that drops unknown fields passes on)."""
+        sp = {**(sampling_params.get("custom_params") or {}), **sampling_params}
         return cls(
-            temperature=float(sp.get("temperature", 1.0) or 0.0),
+            temperature=float(sp.get("temperature") or 0.0),
             top_k=int(sp.get("top_k", -1)),
             top_p=float(sp.get("top_p", 1.0)),
             min_p=float(sp.get("min_p", 0.0)),
             min_new_tokens=int(sp.get("min_new_tokens", 0)),
-            exclude_item_ids=tuple(sp.get("exclude_item_ids", ()) or ()),
+            exclude_item_ids=tuple(sp.get("exclude_item_ids") or ()),
         )
 
     @property

@@ -231,3 +231,9 @@ def test_outputs_the_catalog_did_not_allow_are_refused(replay, items):
         replay.logprobs(logits, [[1]], [list(items[0])], Filters(exclude_item_ids=("it-0",)))
     with pytest.raises(ValidationError, match="runs on past"):
         replay.logprobs(logits, [[1]], [[28, 30, 40]])
+
+
+def test_filters_read_sampling_params_as_the_server_does():
+    assert Filters.of({}) == Filters(temperature=0.0)  # grctl's default: deterministic beams
+    sp = {"temperature": 0.7, "top_k": 5, "custom_params": {"exclude_item_ids": ["it-1"]}}
+    assert Filters.of(sp) == Filters(temperature=0.7, top_k=5, exclude_item_ids=("it-1",))

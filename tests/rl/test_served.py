@@ -119,6 +119,10 @@ def test_estimators_on_served_beams_find_the_exact_expected_reward(srv, model, r
                 r = torch.tensor([reward.get(tuple(b.output_ids), 0.0) for b in beams])
                 q = torch.tensor([b.meta_info.sampling_logprob for b in beams])
                 kappa = reply.meta_info.gumbel_threshold
+                keys = [b.meta_info.gumbel_key for b in beams]  # what the threshold bounds
+                assert kappa is not None and min(keys) > kappa
+                by_key = sorted(range(k), key=lambda i: -keys[i])
+                assert [beams[i].meta_info.draw_order for i in by_key] == list(range(k))
                 plain.append(float(r.mean()))
                 prio.append(float((priority_weights(q, kappa) * r).sum()))
                 us.append(float((unordered_set_weights(q, whole_support=kappa is None) * r).sum()))
