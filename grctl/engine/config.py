@@ -47,6 +47,13 @@ class EngineConfig:
         "Logprobs",
         min=1,
     )
+    deterministic_inference: bool = knob(
+        False,
+        "Batch-invariant kernels: a request's tokens and logprobs are bit-identical alone or "
+        "in any batch, after a prefix-cache hit or miss.",
+        "Logprobs",
+        aliases=("--enable-deterministic-inference",),  # SGLang's name
+    )
     max_running_requests: int = knob(64, "Requests decoded together.", "Scheduling", min=1)
     max_waiting_requests: int = knob(1024, "Queued requests before 429.", "Scheduling", min=1)
     max_context_len: int = knob(

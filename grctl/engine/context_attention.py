@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from grctl.engine.kv_cache import ContextKV
-from grctl.model import attention
+from grctl.model import attention, batch_invariant
 
 Rows = slice | torch.Tensor  # rows of the step, ascending: a range, or their indices
 
@@ -121,3 +121,19 @@ class RaggedContext:
         out, lse = attention.attention_with_lse(q_unit, k, v)
         shape = (num_kv, unit.num_rows, groups)
         return out.reshape(*shape, dim), lse.reshape(shape)
+
+
+class InvariantContext(RaggedContext):
+    """The deterministic backend (--enable-deterministic-inference): each unit's rows through
+    batch-invariant attention (model/batch_invariant.py), so a row's output is the same
+    whatever else the step holds. The executor gives every context one part (a cached prefix
+    joined to the prompt's own KV at prefill), so a prefix-cache hit attends as a miss does."""
+
+    @staticmethod
+    def _attend(layer: int, q: torch.Tensor, unit: Unit) -> tuple[torch.Tensor, torch.Tensor]:
+        num_kv, _, groups, dim = q.shape
+        rows = take(q, unit.rows, 1)  # [KV, rows, g, D] -> [rows, H, D]
+        q_rows = rows.permute(1, 0, 2, 3).reshape(unit.num_rows, num_kv * groups, dim)
+        out, lse = batch_invariant.attention(q_rows, unit.part.k[layer], unit.part.v[layer])
+        out = out.view(unit.num_rows, num_kv, groups, dim).permute(1, 0, 2, 3)
+        return out, lse.view(unit.num_rows, num_kv, groups).permute(1, 0, 2)

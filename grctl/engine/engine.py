@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from grctl.engine import prompt_logprobs
+from grctl.engine.context_attention import InvariantContext
 from grctl.engine.executor import Executor
 from grctl.engine.gate import PAUSE_MODES, Gate
 from grctl.engine.kv_cache import kv_bytes_budget, request_kv_bytes, top_logprobs_bytes
@@ -85,8 +86,16 @@ class Engine:
             config.prefill_cache_max_bytes,
         )
         self.runner = ModelRunner(model, self.device)
+        deterministic = config.deterministic_inference
+        model.set_batch_invariant(deterministic)  # before graphs are captured over it
+        if deterministic:
+            self.runner.context_attention = InvariantContext
         self.executor = Executor(
-            self.runner, self.cache, config.return_original_logprob, config.sampling_mask_max_tokens
+            self.runner,
+            self.cache,
+            config.return_original_logprob,
+            config.sampling_mask_max_tokens,
+            join_contexts=deterministic,
         )
         self.scheduler = Scheduler(
             config.max_running_requests,

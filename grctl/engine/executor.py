@@ -21,7 +21,7 @@ from grctl.engine import prompt_logprobs
 from grctl.engine.decode_batch import DecodeItem
 from grctl.engine.kv_cache import BeamKV, ContextKV, chained
 from grctl.engine.model_runner import ModelRunner
-from grctl.engine.prefix_cache import Match, PrefixCache
+from grctl.engine.prefix_cache import Match, PrefixCache, join_kv
 from grctl.engine.search import beam_select
 from grctl.engine.search.beam import Beams
 from grctl.engine.search.beam_select import Block
@@ -35,11 +35,15 @@ class Executor:
         cache: PrefixCache,
         original_logprob: bool = False,
         mask_max_tokens: int = 4096,
+        join_contexts: bool = False,
     ):
         self.runner = runner
         self.cache = cache
         self.original_logprob = original_logprob  # the default of return_original_logprob
         self.mask_max_tokens = mask_max_tokens  # the widest support a sampling mask lists
+        # deterministic inference: a context continuing cached parts is joined into one part
+        # once, at prefill, so that decode attends to it as to an uncached prompt
+        self.join_contexts = join_contexts
         cfg = runner.config
         self.max_cached_len = (
             cfg.max_position_embeddings if cfg.rope.rope_type == "dynamic" else None
@@ -189,7 +193,11 @@ class Executor:
         if seq.beams.is_done:
             return
         sp = seq.req.sampling
-        seq.ctx, seq.beam_kv = ctx, self._beam_kv(sp.width, sp.max_new_tokens)
+        seq.ctx, seq.beam_kv = self._context(ctx), self._beam_kv(sp.width, sp.max_new_tokens)
+
+    def _context(self, ctx: ContextKV) -> ContextKV:
+        """A started request's context: with join_contexts, one part (a copy of its chain)."""
+        return join_kv(ctx.parts) if self.join_contexts and ctx.prefix is not None else ctx
 
     def _beam_kv(self, width: int, max_new_tokens: int) -> BeamKV:
         cfg = self.runner.config
@@ -209,6 +217,7 @@ class Executor:
         position, logits unused, so its tails hold its own path's KV under these weights. Its
         beams, pool and tokens stay as they were; it decodes on from here."""
         sp, steps = seq.req.sampling, seq.beams.num_steps
+        ctx = self._context(ctx)
         beam_kv = self._beam_kv(sp.width, sp.max_new_tokens)
         paths = seq.beams.running_paths()
         for t in range(steps - 1):

@@ -18,6 +18,7 @@ from grctl.engine.context_attention import RaggedContext
 from grctl.engine.decode_batch import DecodeBatch, DecodeItem
 from grctl.engine.kv_cache import ContextKV, chained
 from grctl.engine.prompt_logprobs import Scoring, score
+from grctl.model import batch_invariant
 from grctl.model.attention import prefill_attention
 from grctl.model.device import bind_thread
 from grctl.model.qwen3 import Qwen3ForCausalLM
@@ -80,6 +81,7 @@ class ModelRunner:
         ks: list[list[torch.Tensor]] = [[] for _ in prompts]
         vs: list[list[torch.Tensor]] = [[] for _ in prompts]
         h = model.embed_tokens(ids)  # [tokens, hidden]
+        invariant = model.invariant
         for i, layer in enumerate(model.layers[:-1]):
             q, k, v = layer.pre_attention(h, cos, sin)  # [tokens, H or KV, D]
             outs = []
@@ -88,12 +90,19 @@ class ModelRunner:
                 ks[r].append(kr)
                 vs[r].append(vr)
                 keys, values = _after(prefixes[r], i, kr, vr)
-                outs.append(prefill_attention(q[s:e], keys, values, causal=True))
+                if invariant:
+                    outs.append(_invariant_attention(q[s:e], keys, values, positions[s:e]))
+                else:
+                    outs.append(prefill_attention(q[s:e], keys, values, causal=True))
             h = layer.post_attention(h, torch.cat(outs))
         i, layer = len(model.layers) - 1, model.layers[-1]
         x = layer.input_layernorm(h)
-        k, v = layer.self_attn.project_kv(x, cos, sin)
-        q = layer.self_attn.project_q(x[rows], cos[rows], sin[rows])  # [query rows, H, D]
+        if invariant:  # every token's q, k and v as decode and a trainer compute them
+            q, k, v = layer.self_attn.project(x, cos, sin)
+            q = q[rows]
+        else:
+            k, v = layer.self_attn.project_kv(x, cos, sin)
+            q = layer.self_attn.project_q(x[rows], cos[rows], sin[rows])  # [query rows, H, D]
         outs, at = [], 0
         for r, (s, e) in enumerate(bounds):
             kr, vr = k[s:e].transpose(0, 1).contiguous(), v[s:e].transpose(0, 1).contiguous()
@@ -101,7 +110,12 @@ class ModelRunner:
             vs[r].append(vr)
             keys, values = _after(prefixes[r], i, kr, vr)
             n = extra[r] + 1
-            outs.append(prefill_attention(q[at : at + n], keys, values, causal=n > 1))
+            if invariant:
+                outs.append(
+                    _invariant_attention(q[at : at + n], keys, values, positions[e - n : e])
+                )
+            else:
+                outs.append(prefill_attention(q[at : at + n], keys, values, causal=n > 1))
             at += n
         h = layer.post_attention(h[rows], torch.cat(outs))  # [query rows, hidden]
         if any(extra):  # each prompt's last row follows its scored ones
@@ -158,6 +172,13 @@ def _after(
         torch.cat([*(part.k[layer] for part in prefix), k], dim=1),
         torch.cat([*(part.v[layer] for part in prefix), v], dim=1),
     )
+
+
+def _invariant_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """Causal prefill attention, batch-invariant (model/batch_invariant.py): [S_q, H * D]."""
+    return batch_invariant.attention(q, k, v, positions)[0].to(q.dtype).flatten(1)
 
 
 def _into(out: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:

@@ -109,7 +109,10 @@ def merge(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over keys A and B together, from each part's normalised output and its lse
     (same leading shape; outputs [..., D]) -> (out, lse), float32."""
-    lse = torch.logaddexp(lse_a, lse_b)
+    # max + log(sum of exps), not torch.logaddexp: its vectorised and scalar kernels differ in
+    # the last bit, so a row's merge would follow where it falls in the batch's buffer
+    peak = torch.maximum(lse_a, lse_b)
+    lse = peak + ((lse_a - peak).exp() + (lse_b - peak).exp()).log()
     w_a, w_b = (lse_a - lse).exp()[..., None], (lse_b - lse).exp()[..., None]
     out = o_a.float() * w_a + o_b.float() * w_b
     return out, lse

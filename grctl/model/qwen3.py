@@ -13,17 +13,30 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from grctl.model import batch_invariant
 from grctl.model.config import ModelConfig
 from grctl.model.rope import rope_cos_sin
 
 
-class RMSNorm(nn.Module):
+class Invariant:
+    """A module whose matmuls and norms may run batch-invariant (batch_invariant.py):
+    `Qwen3ForCausalLM.set_batch_invariant` sets `invariant` on every such module."""
+
+    invariant = False
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return batch_invariant.linear(x, weight) if self.invariant else F.linear(x, weight)
+
+
+class RMSNorm(Invariant, nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.invariant:
+            return batch_invariant.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -38,7 +51,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
-class Qwen3Attention(nn.Module):
+class Qwen3Attention(Invariant, nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads = cfg.num_attention_heads
@@ -54,7 +67,8 @@ class Qwen3Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [..., seq, hidden] -> q [..., seq, H, D], k and v [..., seq, KV, D], RoPE applied."""
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self._linear(x, self.qkv_proj.weight)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim)))
         k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim)))
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
@@ -62,14 +76,14 @@ class Qwen3Attention(nn.Module):
 
     def project_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """q alone, for rows whose k and v are not needed: [..., hidden] -> [..., H, D]."""
-        q = F.linear(x, self.qkv_proj.weight[: self.q_size])
+        q = self._linear(x, self.qkv_proj.weight[: self.q_size])
         return apply_rope(self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim))), cos, sin)
 
     def project_kv(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """k and v alone, for rows whose q is not needed: [..., hidden] -> [..., KV, D] each."""
-        k, v = F.linear(x, self.qkv_proj.weight[self.q_size :]).split(self.kv_size, dim=-1)
+        k, v = self._linear(x, self.qkv_proj.weight[self.q_size :]).split(self.kv_size, dim=-1)
         k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim)))
         return apply_rope(k, cos, sin), v.unflatten(-1, (self.num_kv_heads, self.head_dim))
 
@@ -97,10 +111,10 @@ class Qwen3Attention(nn.Module):
         vh = v.transpose(1, 2).repeat_interleave(groups, dim=1)
         mask = torch.ones(seq, total, dtype=torch.bool, device=x.device).tril(total - seq)
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
-        return self.o_proj(out.transpose(1, 2).flatten(-2)), new_kv
+        return self._linear(out.transpose(1, 2).flatten(-2), self.o_proj.weight), new_kv
 
 
-class Qwen3MLP(nn.Module):
+class Qwen3MLP(Invariant, nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
@@ -108,8 +122,9 @@ class Qwen3MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))  # in place: one [rows, inter] buffer less
+        gate, up = self._linear(x, self.gate_up_proj.weight).chunk(2, dim=-1)
+        # in place: one [rows, inter] buffer less
+        return self._linear(F.silu(gate).mul_(up), self.down_proj.weight)
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -129,11 +144,11 @@ class Qwen3DecoderLayer(nn.Module):
 
     # ... and the attention output [rows, H * D] back into the residual stream [rows, hidden].
     def post_attention(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn.o_proj(attn)
+        h = h + self.self_attn._linear(attn, self.self_attn.o_proj.weight)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Qwen3ForCausalLM(nn.Module):
+class Qwen3ForCausalLM(Invariant, nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
@@ -151,7 +166,14 @@ class Qwen3ForCausalLM(nn.Module):
         return self.lm_head.weight
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.norm(hidden), self.lm_head_weight).float()
+        return self._linear(self.norm(hidden), self.lm_head_weight).float()
+
+    def set_batch_invariant(self, on: bool) -> None:
+        """Every matmul and norm batch-invariant (batch_invariant.py), or back to the plain
+        kernels: --enable-deterministic-inference."""
+        for module in self.modules():
+            if isinstance(module, Invariant):
+                module.invariant = on
 
     @torch.inference_mode()
     def forward(
