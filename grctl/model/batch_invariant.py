@@ -85,7 +85,8 @@ def attention(
     limit = torch.minimum(limit.to(q.device), torch.tensor(length - 1, device=q.device))
     row_limit = limit.repeat_interleave(groups)
     if qpad:
-        row_limit = torch.cat((row_limit, row_limit.new_full((qpad,), -1)))
+        # padding rows see key 0 (a 0 / 0 there would turn a backward pass into NaN)
+        row_limit = torch.cat((row_limit, row_limit.new_zeros(qpad)))
     row_limit = row_limit.view(tiles, ROW_TILE)
     # query tiles a chunk at a time: the [tiles, blocks] scores are never all held at once
     per_tile = num_kv * blocks * ROW_TILE * (2 * dim + 2 * KEY_BLOCK + 4) * 4

@@ -1,0 +1,159 @@
+"""--enable-deterministic-inference: a request's tokens and every logprob are bit-identical
+(==, not allclose) alone, inside a batch of 17 mixed requests (lengths, widths, greedy and
+seeded stochastic, scored prompts), and after a prefix-cache hit or miss; and the kernels
+behind it are row-invariant."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from grctl.engine.config import EngineConfig
+from grctl.engine.engine import Engine
+from grctl.engine.request import GenerateRequest, SamplingParams
+from grctl.model import batch_invariant
+from grctl.rl import forward
+from tests.support.engines import run_requests
+from tests.support.reference import hf_and_ours
+
+VOCAB = 128
+
+
+@pytest.fixture(scope="module")
+def model():
+    return hf_and_ours(seed=3)[1]
+
+
+def prompt(n: int, seed: int) -> tuple[int, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randint(0, VOCAB, (n,), generator=gen).tolist())
+
+
+def mixed(i: int, shared: tuple[int, ...] = ()) -> GenerateRequest:
+    """Request i of a mixed rollout: lengths 3..90, widths 1..8, greedy and seeded sampling,
+    top logprobs, every third one scoring its prompt too."""
+    n = [5, 40, 17, 70, 9, 33, 64, 3][i % 8] + i
+    return GenerateRequest(
+        shared + prompt(n, i),
+        SamplingParams(
+            max_new_tokens=3 + i % 3,
+            n=[1, 4, 2, 8, 1, 3][i % 6],
+            temperature=[0.0, 1.0][i % 2],
+            seed=100 + i,
+        ),
+        return_logprob=True,
+        top_logprobs_num=2,
+        logprob_start_len=1 if i % 3 == 0 else -1,
+    )
+
+
+def signature(res) -> list:
+    """Everything a trainer reads of a result, as exact values."""
+    beams = [
+        (b.output_ids, b.output_token_logprobs, b.output_top_logprobs, b.sequence_score)
+        for b in res.beams
+    ]
+    scores = res.prompt_logprobs
+    return [beams, None if scores is None else (scores.logprobs, scores.top)]
+
+
+def engine(model, **kw) -> Engine:
+    return Engine(model, EngineConfig(deterministic_inference=True, **kw))
+
+
+@pytest.mark.slow
+def test_alone_equals_inside_a_batch_of_17(model):
+    reqs = [mixed(i) for i in range(17)]
+    alone = [signature(run_requests(engine(model), [r])[0]) for r in reqs]
+    batch = [signature(r) for r in run_requests(engine(model), reqs)]
+    assert batch == alone
+    shuffled = [reqs[i] for i in (16, 3, 8, 0, 11, 5, 14, 1, 9, 12, 2, 7, 15, 4, 10, 6, 13)]
+    results = run_requests(engine(model), shuffled)
+    got = {id(r): signature(x) for r, x in zip(shuffled, results, strict=True)}
+    assert [got[id(r)] for r in reqs] == alone
+
+
+@pytest.mark.slow
+def test_the_default_mode_is_not_batch_invariant(model):
+    """What the flag fixes: the plain kernels give the same request other bits in a batch."""
+    reqs = [mixed(i) for i in range(17)]
+    plain = Engine(model, EngineConfig())
+    alone = [signature(run_requests(plain, [r])[0]) for r in reqs]
+    plain.clear_prefill_cache()
+    batch = [signature(r) for r in run_requests(plain, reqs)]
+    assert batch != alone
+
+
+def test_prefix_cache_hit_equals_miss(model):
+    """Prompts continuing a cached 50-token prefix (a hit, the rest computed against the cached
+    KV) give what they give with the cache off (a miss)."""
+    shared = prompt(50, 999)
+    reqs = [mixed(i, shared) for i in range(6)]
+    miss = [
+        signature(run_requests(engine(model, enable_prefill_cache=False), [r])[0]) for r in reqs
+    ]
+    eng = engine(model)
+    run_requests(eng, [GenerateRequest(shared + (1,), SamplingParams(max_new_tokens=1))])
+    hits = run_requests(eng, reqs)
+    # a scored prompt (logprob_start_len 1) takes at most its first token from the cache
+    assert [r.cached_tokens for r in hits] == [1 if i % 3 == 0 else 50 for i in range(6)]
+    assert [signature(r) for r in hits] == miss
+    repeat = run_requests(eng, reqs)  # exact repeats and scored prompts, all cached
+    assert [signature(r) for r in repeat] == miss
+
+
+def test_kernels_are_row_invariant():
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(75, 64, generator=gen), torch.randn(96, 64, generator=gen)
+    full = batch_invariant.linear(x, w)
+    for lo, hi in ((0, 1), (3, 4), (40, 75), (31, 33)):
+        assert torch.equal(batch_invariant.linear(x[lo:hi], w), full[lo:hi])
+    norm_w = torch.randn(64, generator=gen)
+    full = batch_invariant.rms_norm(x, norm_w, 1e-6)
+    assert torch.equal(batch_invariant.rms_norm(x[40:41], norm_w, 1e-6), full[40:41])
+    q = torch.randn(75, 4, 24, generator=gen)
+    k, v = torch.randn(2, 75, 24, generator=gen), torch.randn(2, 75, 24, generator=gen)
+    pos = torch.arange(75)
+    out, lse = batch_invariant.attention(q, k, v, pos)
+    sub, sub_lse = batch_invariant.attention(q[60:], k, v, pos[60:])  # after a "cached" prefix
+    assert torch.equal(sub, out[60:]) and torch.equal(sub_lse, lse[60:])
+    short, _ = batch_invariant.attention(q[:61], k[:, :61], v[:, :61], pos[:61])
+    assert torch.equal(short, out[:61])  # keys past a row's position change nothing
+    # and it is attention: softmax(q k^T / sqrt(d)) v within float32's error
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.repeat_interleave(2, 0), v.repeat_interleave(2, 0), is_causal=True
+    ).transpose(0, 1)
+    assert torch.allclose(out, ref, atol=1e-5)
+
+
+def test_the_trainer_forward_gives_the_server_logprobs_bitwise(model):
+    """grctl's Qwen3 as the trainer's forward (grctl.rl.forward), one teacher-forced pass over
+    prompt + output, gives every beam's reported logprobs exactly (greedy, beams, seeded
+    samples), served inside a batch; and it is differentiable."""
+    reqs = [
+        GenerateRequest(
+            prompt(n, 7 + n),
+            SamplingParams(max_new_tokens=m, n=w, temperature=t, seed=n),
+            return_logprob=True,
+        )
+        for n, m, w, t in ((12, 4, 1, 0.0), (37, 3, 4, 0.0), (20, 5, 1, 1.0), (66, 3, 3, 0.7))
+    ]
+    results = run_requests(engine(model), [mixed(i) for i in range(5)] + reqs)[5:]
+    model.set_batch_invariant(True)
+    for req, res in zip(reqs, results, strict=True):
+        ids = torch.tensor(req.input_ids)
+        for beam in res.beams:
+            out = torch.tensor(beam.output_ids)
+            rows = forward.server_logits(model, ids, out)
+            got = forward.token_logprobs(rows, out, req.sampling.temperature)
+            assert got.tolist() == beam.output_token_logprobs
+    trainer = copy.deepcopy(model).requires_grad_(True)
+    rows = forward.server_logits(trainer, ids, out)
+    forward.token_logprobs(rows, out).sum().backward()
+    assert trainer.layers[0].self_attn.qkv_proj.weight.grad.abs().sum() > 0
+    plain = copy.deepcopy(model)
+    plain.set_batch_invariant(False)
+    with pytest.raises(ValueError, match="set_batch_invariant"):
+        forward.server_logits(plain, ids, out)
