@@ -6,7 +6,8 @@ bit for bit: the same logprobs, ratios exactly 1 on the first epoch (true on-pol
     model = Qwen3ForCausalLM(ModelConfig.from_hf(config)); load the checkpoint into it
     model.set_batch_invariant(True)
     rows = server_logits(model, prompt_ids, output_ids)       # differentiable, [n, vocab]
-    logprobs = token_logprobs(rows, output_ids)               # == the reply's, bitwise
+    logprobs = token_logprobs(rows, output_ids)               # == the reply's, bitwise, with
+                                                              # return_original_logprob
 
 One teacher-forced pass over prompt + output (the last output token is not fed), differentiable
 when the model's parameters require grad. Each row is computed as the server computes it: the
@@ -71,15 +72,13 @@ def server_logits(
     return torch.cat((torch.log_softmax(logits[:1], dim=-1), logits[1:]))
 
 
-def token_logprobs(
-    rows: torch.Tensor, output_ids: torch.Tensor, temperature: float = 1.0
-) -> torch.Tensor:
-    """The log-probability of each output token from `server_logits`' rows, as the server
-    reports it without a catalog (log_softmax(rows / T) at T > 0; T = 1 for temperature 0 or
-    --return-original-logprob), computed as its search computes it: [n]."""
-    scaled = rows / temperature if temperature not in (0.0, 1.0) else rows
-    peak = scaled.amax(-1, keepdim=True)
+def token_logprobs(rows: torch.Tensor, output_ids: torch.Tensor) -> torch.Tensor:
+    """The model's log-probability of each output token from `server_logits`' rows, computed
+    as the server computes it for return_original_logprob (log_softmax, no temperature, no
+    catalog mask): [n]. The behaviour policy's (tempered, masked, filtered) is the catalog
+    replay's (grctl.rl.replay) over the same rows."""
+    peak = rows.amax(-1, keepdim=True)
     peak = peak.masked_fill(~torch.isfinite(peak), 0.0)
-    lse = (scaled - peak).exp().sum(-1).log() + peak[:, 0]
+    lse = (rows - peak).exp().sum(-1).log() + peak[:, 0]
     ids = output_ids.to(rows.device)
-    return scaled[torch.arange(rows.shape[0], device=rows.device), ids] - lse
+    return rows[torch.arange(rows.shape[0], device=rows.device), ids] - lse

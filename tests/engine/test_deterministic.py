@@ -130,13 +130,15 @@ def test_kernels_are_row_invariant():
 
 def test_the_trainer_forward_gives_the_server_logprobs_bitwise(model):
     """grctl's Qwen3 as the trainer's forward (grctl.rl.forward), one teacher-forced pass over
-    prompt + output, gives every beam's reported logprobs exactly (greedy, beams, seeded
-    samples), served inside a batch; and it is differentiable."""
+    prompt + output, gives the server's logits rows exactly, so every beam's model logprobs
+    (return_original_logprob: log_softmax of those rows) are the reply's bit for bit (greedy,
+    beams, seeded samples), served inside a batch; and it is differentiable."""
     reqs = [
         GenerateRequest(
             prompt(n, 7 + n),
             SamplingParams(max_new_tokens=m, n=w, temperature=t, seed=n),
             return_logprob=True,
+            return_original_logprob=True,
         )
         for n, m, w, t in ((12, 4, 1, 0.0), (37, 3, 4, 0.0), (20, 5, 1, 1.0), (66, 3, 3, 0.7))
     ]
@@ -147,7 +149,7 @@ def test_the_trainer_forward_gives_the_server_logprobs_bitwise(model):
         for beam in res.beams:
             out = torch.tensor(beam.output_ids)
             rows = forward.server_logits(model, ids, out)
-            got = forward.token_logprobs(rows, out, req.sampling.temperature)
+            got = forward.token_logprobs(rows, out)
             assert got.tolist() == beam.output_token_logprobs
     trainer = copy.deepcopy(model).requires_grad_(True)
     rows = forward.server_logits(trainer, ids, out)
