@@ -181,13 +181,16 @@ class CatalogReplay:
         pos = (plen[:, None] - 1 + t_idx[None]).clamp(max=logits.shape[1] - 1)
         if logits.dtype not in (torch.float32, torch.float64):
             logits = logits.float()
-        z = logits[torch.arange(b)[:, None], pos]  # [B, T, V]: the logits that chose each token
-        tau = torch.tensor([f.tau for f in per], dtype=z.dtype)[:, None, None]
+        rows = torch.arange(b, device=logits.device)[:, None]
+        z = logits[rows, pos.to(logits.device)]  # [B, T, V]: the logits that chose each token
+        dev = z.device  # the index tensors are built on the host, then moved once
+        out_mask = out_mask.to(dev)
+        tau = torch.tensor([f.tau for f in per], dtype=z.dtype, device=dev)[:, None, None]
         if self.catalog is None:
             chosen = torch.tensor([list(o) + [0] * (steps - len(o)) for o in outputs])
-            xr, valid, col = z, torch.ones_like(z, dtype=torch.bool), chosen
+            xr, valid, col = z, torch.ones_like(z, dtype=torch.bool), chosen.to(dev)
         else:
-            tokens, valid, col = self.supports(outputs, per)
+            tokens, valid, col = (t.to(dev) for t in self.supports(outputs, per))
             xr = z.gather(-1, tokens)
         lp = torch.log_softmax((xr / tau).masked_fill(~valid, NEG_INF), dim=-1)
         with torch.no_grad():
@@ -198,8 +201,9 @@ class CatalogReplay:
         # prompt: plain log_softmax of the logits before each prompt token
         width = int(plen.max()) - 1
         j = torch.arange(width)
-        prompt_mask = j[None] < (plen - 1)[:, None]
+        prompt_mask = (j[None] < (plen - 1)[:, None]).to(logits.device)
         ids = torch.tensor([list(p[1:]) + [0] * (width - len(p) + 1) for p in prompts])
+        ids = ids.to(logits.device)
         plp = torch.log_softmax(logits[:, :width], dim=-1).gather(-1, ids[..., None])[..., 0]
         return Replayed(out, out_mask, plp.masked_fill(~prompt_mask, 0.0), prompt_mask)
 
@@ -213,15 +217,18 @@ def kept(lp: torch.Tensor, filters: Sequence[Filters]) -> torch.Tensor:
     b, t, w = lp.shape
     keep = torch.ones_like(lp, dtype=torch.bool)
     filters = [f if f.temperature > 0 else Filters() for f in filters]  # beams search it all
-    top_k = torch.tensor([f.top_k if 0 < f.top_k < w else w for f in filters])[:, None, None]
-    top_p = torch.tensor([f.top_p for f in filters], dtype=lp.dtype)[:, None, None]
-    min_p = torch.tensor([f.min_p for f in filters], dtype=lp.dtype)[:, None, None]
+    dev = lp.device
+    top_k = torch.tensor([f.top_k if 0 < f.top_k < w else w for f in filters], device=dev)
+    top_p = torch.tensor([f.top_p for f in filters], dtype=lp.dtype, device=dev)
+    min_p = torch.tensor([f.min_p for f in filters], dtype=lp.dtype, device=dev)
+    top_k, top_p, min_p = top_k[:, None, None], top_p[:, None, None], min_p[:, None, None]
     if (min_p > 0).any():
         floor = lp.max(-1, keepdim=True).values + torch.log(min_p)
         keep &= lp >= floor
     if (top_k < w).any() or (top_p < 1).any():
         sorted_lp, order = lp.sort(dim=-1, descending=True)
         probs = sorted_lp.exp()
-        drop = (torch.arange(w)[None, None] >= top_k) | (probs.cumsum(-1) - probs > top_p)
+        rank = torch.arange(w, device=dev)[None, None]
+        drop = (rank >= top_k) | (probs.cumsum(-1) - probs > top_p)
         keep &= torch.empty_like(drop).scatter_(-1, order, ~drop)
     return keep

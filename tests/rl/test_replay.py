@@ -237,3 +237,16 @@ def test_filters_read_sampling_params_as_the_server_does():
     assert Filters.of({}) == Filters(temperature=0.0)  # grctl's default: deterministic beams
     sp = {"temperature": 0.7, "top_k": 5, "custom_params": {"exclude_item_ids": ["it-1"]}}
     assert Filters.of(sp) == Filters(temperature=0.7, top_k=5, exclude_item_ids=("it-1",))
+
+
+@pytest.mark.gpu
+def test_replay_on_cuda_equals_the_cpu(model, replay, items):
+    outputs = [list(items[4]), list(items[9]), list(items[-1])]
+    f = Filters(temperature=0.8, top_p=0.9, exclude_item_ids=("it-0",))
+    with torch.no_grad():
+        logits = forward(model, PROMPTS, outputs)
+        cpu = replay.logprobs(logits, PROMPTS, outputs, f)
+        gpu = replay.logprobs(logits.cuda(), PROMPTS, outputs, f)
+    assert gpu.output.device.type == "cuda"
+    assert torch.allclose(gpu.output.cpu(), cpu.output, atol=1e-5)
+    assert torch.allclose(gpu.prompt.cpu(), cpu.prompt, atol=1e-5)
