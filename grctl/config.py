@@ -37,6 +37,11 @@ class ServeConfig:
     log_level: str = knob("info", "Server log level.", "HTTP", choices=LOG_LEVELS)
     log_format: str = knob("text", "Server log lines: text or json.", "HTTP", choices=LOG_FORMATS)
     metrics_auth: bool = knob(False, "Require the API key on /metrics too.", "HTTP")
+    parallel_sampling: bool = knob(
+        False,
+        "n without beam_width: n independent samples, SGLang's reading (off: n beams).",
+        "HTTP",
+    )
     served_model_name: str | None = knob(None, "Name to report; default: the path.", "Model")
     router_url: str | None = knob(None, "sglang-router to join (leave at exit).", "HTTP")
     torch_profiler_dir: str | None = knob(

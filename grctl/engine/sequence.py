@@ -151,7 +151,9 @@ class Sequence:
             output_token_logprobs=(top.output_token_logprobs if top else [])
             if self.req.return_logprob
             else None,
-            cached_tokens=self.cached_tokens,
+            # SGLang recomputes an exact repeat's last token: at most all but it (grctl reuses
+            # the stored logits; the prefix cache's own hit_tokens count the whole prompt)
+            cached_tokens=min(self.cached_tokens, self.num_prompt_tokens - 1),
             prompt_logprobs=self.prompt_logprobs if self.req.return_logprob else None,
             latency_s=time.monotonic() - self.arrival,
             item_results=self._item_results(beams),

@@ -12,7 +12,7 @@ PosInt = Annotated[int, Meta(ge=1)]
 TokenId = Annotated[int, Meta(ge=0)]
 
 
-class SamplingParamsBody(Struct, kw_only=True):
+class SamplingParamsBody(Struct, kw_only=True, forbid_unknown_fields=True):
     # 0: prefill only (prompt scoring with logprob_start_len, or warming the prefix cache)
     max_new_tokens: Annotated[int, Meta(ge=0)] = 1
     # grctl's form: n is the beam width, every beam returned. SGLang's: beam_width W searches W

@@ -133,6 +133,8 @@ def cases(root: Path) -> list[tuple[str, str, object]]:
         ("POST", "/generate", {"input_ids": [1], "sampling_params": {"item_prefix_len": -1}}),
         ("POST", "/generate", {"input_ids": [1], "sampling_params": {"item_prefix_len": 2**70}}),
         ("POST", "/generate", {"input_ids": [1, 2], "sampling_params": {"item_prefix_len": 1}}),
+        ("POST", "/generate", {"input_ids": [1], "sampling_params": {"n_beams": 4}}),
+        ("POST", "/generate", {"input_ids": [[1], [2]], "sampling_params": [{}, {"": None}]}),
         # the behaviour-logprob options (issue 25): wrong types, huge values, a bad mode
         ("POST", "/generate", {"input_ids": [1], "return_original_logprob": "sometimes"}),
         ("POST", "/generate", {"input_ids": [1], "return_original_logprob": [True]}),

@@ -37,7 +37,7 @@ from grctl.server.disconnect import unless_disconnected
 from grctl.server.offload import offload
 from grctl.server.openapi import error_responses
 from grctl.server.params import seconds
-from grctl.server.translation.generate import to_requests, to_response
+from grctl.server.translation.generate import is_parallel, to_requests, to_response
 
 
 async def run_to_end(state: State, reqs: list[GenerateRequest]) -> list[GenerateResult]:
@@ -65,7 +65,9 @@ async def run_to_end(state: State, reqs: list[GenerateRequest]) -> list[Generate
 async def generate(
     state: State, request: Request, data: Annotated[GenerateBody | None, Body()] = None
 ) -> GenerateResponse | list[GenerateResponse]:
-    reqs, is_batch = await offload(state, to_requests, data or GenerateBody(), state.tokenizer)
+    reqs, is_batch = await offload(
+        state, to_requests, data or GenerateBody(), state.tokenizer, state.config.parallel_sampling
+    )
     # A client that goes away cancels its requests (run_to_end's on_cancel).
     results = await unless_disconnected(request, lambda: run_to_end(state, reqs))
     replies = await offload(state, responses, results, state.tokenizer)
@@ -88,6 +90,7 @@ async def submit(
     reqs, is_batch = await offload(state, to_requests, data or GenerateBody(), state.tokenizer)
     if is_batch:
         raise BadRequest("/submit takes one prompt", hint="use /submit_many for a batch")
+    one_sequence(state, reqs[0])
     # submit parses the request's exclusions against the catalog: off the event loop too
     return SubmitResponse(request_id=await offload(state, state.engine.submit, reqs[0]))
 
@@ -117,6 +120,7 @@ def queue_all(state: State, bodies: list[GenerateBody]) -> list[str]:
     engine, cfg = state.engine, state.engine.config
     reqs = [one_request(b, state.tokenizer) for b in bodies]
     for req in reqs:  # every row passes the engine's own checks before any is queued
+        one_sequence(state, req)
         validate_request(
             req,
             engine.model.config,
@@ -143,6 +147,16 @@ def one_request(body: GenerateBody, tokenizer) -> GenerateRequest:
     if is_batch:
         raise BadRequest("each /submit_many request takes one prompt, not a batch")
     return reqs[0]
+
+
+def one_sequence(state: State, req: GenerateRequest) -> None:
+    """Under --parallel-sampling, n samples are n replies: only /generate answers them."""
+    if state.config.parallel_sampling and is_parallel(req):
+        raise BadRequest(
+            f"n {req.sampling.n} without beam_width is {req.sampling.n} samples under "
+            "--parallel-sampling: /generate returns them, one reply each",
+            hint="submit n requests of n 1, or send beam_width for a beam search",
+        )
 
 
 @get(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -85,9 +86,10 @@ def per_prompt(value: Any, n: int, what: str) -> list[Any]:
 
 
 def to_requests(
-    body: GenerateBody, tokenizer: Any | None = None
+    body: GenerateBody, tokenizer: Any | None = None, parallel_sampling: bool = False
 ) -> tuple[list[GenerateRequest], bool]:
-    """Validate a /generate body: its requests (each with an id), and whether it is a batch."""
+    """Validate a /generate body: its requests (each with an id), and whether it is a batch.
+    parallel_sampling (--parallel-sampling): n without beam_width is n samples (SGLang)."""
     if body.stream:
         raise ValidationError("stream is not supported; send stream=false and read the reply")
     rows, is_batch = prompt_rows(body, tokenizer)
@@ -121,7 +123,34 @@ def to_requests(
                 text=text_options_of(body, sp),
             )
         )
+    if parallel_sampling and any(is_parallel(r) for r in reqs):
+        return parallel_samples(reqs, rids), True
     return reqs, is_batch
+
+
+def is_parallel(req: GenerateRequest) -> bool:
+    """SGLang's parallel sampling: n > 1 without beam_width."""
+    return req.sampling.n > 1 and req.sampling.beam_width is None
+
+
+def parallel_samples(reqs: list[GenerateRequest], rids: list[str | None]) -> list[GenerateRequest]:
+    """SGLang's expansion of n samples: n requests of n 1 per prompt, sample-major (the batch
+    repeated n times: prompt i's sample j is reply j * prompts + i), rid r becoming r_0, r_1, ...
+    in that order (SGLang names a batch's samples from one rid the same way)."""
+    ns = {r.sampling.n for r in reqs}
+    if len(ns) > 1 or not all(map(is_parallel, reqs)):
+        raise ValidationError(
+            f"n differs between the prompts ({sorted(ns)}); with --parallel-sampling every "
+            "prompt of a batch takes the same n (SGLang's rule)"
+        )
+    (n,) = ns
+    out = []
+    for j in range(n):
+        for req, rid in zip(reqs, rids, strict=True):
+            name = f"{rid}_{j}" if rid else new_request_id()
+            one = dataclasses.replace(req.sampling, n=1)
+            out.append(dataclasses.replace(req, sampling=one, request_id=name))
+    return out
 
 
 def finish_reason(
