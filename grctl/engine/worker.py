@@ -142,7 +142,10 @@ class Worker:
                 if seq.status is not Status.FINISHED and (
                     id(seq) in failed or seq.abort_requested or seq.is_done
                 ):
-                    self.finish(seq, aborted=id(seq) in failed or seq.abort_requested)
+                    # an abort that finds the request ending in this very step (its item
+                    # completed, its last token) lets it finish: SGLang's abort finds it gone
+                    aborted = seq.abort_requested and not seq.is_done
+                    self.finish(seq, aborted=id(seq) in failed or aborted)
         return True
 
     def _isolate(

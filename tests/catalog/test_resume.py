@@ -237,3 +237,28 @@ def test_pinning_overrides_the_rule_and_a_bad_pin_is_refused(served):
     free = SamplingParams(use_catalog=False, item_prefix_len=1)
     with pytest.raises(ValidationError, match="needs the served item catalog"):
         eng.submit(GenerateRequest((1, *partial), free))
+
+
+@pytest.mark.parametrize("have", [1, 3])
+def test_an_abort_during_the_step_that_completes_the_item_finishes_it(served, have, monkeypatch):
+    """The partial rollout's race: an abort that lands while the step completing the item runs
+    leaves a whole item, reported finished (a trainer would otherwise resume past it)."""
+    hf, eng, rows = served
+    prompt = (1, 2, 3, *rows[3]["token_ids"][:have])
+    rid = eng.submit(GenerateRequest(prompt, SamplingParams(max_new_tokens=6)))
+    run = eng.worker.executor.run
+
+    def aborted_meanwhile(*args, **kwargs):
+        assert eng.cancel(rid)  # the step is computing: the abort waits for its outcome
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(eng.worker.executor, "run", aborted_meanwhile)
+    while eng.run_step():
+        pass
+    res = eng.result(rid)
+    if have == 3:  # the step's one token completed the item
+        assert res.finish_reason == "item_complete" and res.item_results[0].is_complete
+        assert len(res.output_ids) == 1
+    else:  # the step stopped short of it: aborted mid-item, its tokens kept
+        assert res.finish_reason == "abort" and not res.item_results[0].is_complete
+        assert 0 < len(res.output_ids) < 4 - have
