@@ -4,6 +4,11 @@ A reload parses and builds the new catalog beside the old one (no lock held: req
 served from the old one), then swaps the reference under the lock. A Catalog is never changed
 after it is built, so a request that took a reference at submit keeps its version to the end.
 Rollback returns to the catalog served before the last swap (one level of history).
+
+`build` and `install` are the two halves of a reload, apart: a weight update that carries its
+catalog builds it before touching the weights and installs it (through the engine, under its
+lock, inside the update's exclusive section) once the weights are written. Each installed
+catalog is labelled with the weight version it is served with.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -29,6 +34,7 @@ class Catalog:
     source: str
     loaded_at: float  # unix time
     file_bytes: int
+    weight_version: str | None = None  # the weights' label when it was installed
 
     @property
     def nbytes(self) -> int:
@@ -51,6 +57,7 @@ class Catalog:
             "num_collision_paths": s.num_collision_paths,
             "num_shadowed_items": s.num_shadowed_items,
             "self_delimiting": s.self_delimiting,
+            "weight_version": self.weight_version,
         }
 
 
@@ -118,22 +125,30 @@ class CatalogStore:
                 )
         return path
 
-    def load(self, path: str, *, confine: bool = True) -> Catalog:
+    def load(
+        self, path: str, *, confine: bool = True, weight_version: str | None = None
+    ) -> Catalog:
         """Build the catalog at `path` and serve it; on any error the old one keeps serving.
         `confine=False` (the operator's own --catalog) skips the --weights-root check."""
+        return self.install(self.build(path, confine=confine), weight_version)
+
+    def build(self, path: str, *, confine: bool = True) -> Catalog:
+        """The catalog at `path`, built and checked, not served (its version is given when it
+        is installed). Raises ValidationError naming what is wrong; nothing changes."""
         path = self.checked_path(path) if confine else path
         with self._reload_lock:
-            catalog = build_catalog(
-                path,
-                self._last_version + 1,
-                self.device,
-                vocab_size=self.vocab_size,
-                max_bytes=self.max_bytes,
+            return build_catalog(
+                path, 0, self.device, vocab_size=self.vocab_size, max_bytes=self.max_bytes
             )
-            with self._lock:
-                self._last_version = catalog.version
-                self._previous, self._current = self._current, catalog
-                self.num_reloads += 1
+
+    def install(self, catalog: Catalog, weight_version: str | None = None) -> Catalog:
+        """Serve a built catalog from now on, numbered after the last one and labelled with the
+        weights' version; the one it replaces becomes the rollback target."""
+        with self._lock:
+            self._last_version += 1
+            catalog = replace(catalog, version=self._last_version, weight_version=weight_version)
+            self._previous, self._current = self._current, catalog
+            self.num_reloads += 1
         return catalog
 
     def rollback(self) -> Catalog:

@@ -91,8 +91,9 @@ def run_push(
     from grctl.client.sync import WeightSync
 
     version, token_step = sync_kw.pop("weight_version", None), sync_kw.pop("token_step", None)
+    catalog = sync_kw.pop("catalog_path", None)
     transport = sync_kw.get("transport", "auto")
-    finish = finish_command(checkpoint, transport, sync_kw, version, token_step, api_key)
+    finish = finish_command(checkpoint, transport, sync_kw, version, token_step, api_key, catalog)
 
     def show(result) -> None:
         (report.sync_details if verbose else report.sync_lines)(console, result)
@@ -114,7 +115,12 @@ def run_push(
                 ) as sync,
             ):
                 try:
-                    result = sync.run(checkpoint, weight_version=version, token_step=token_step)
+                    result = sync.run(
+                        checkpoint,
+                        weight_version=version,
+                        token_step=token_step,
+                        catalog_path=catalog,
+                    )
                 except SyncError as exc:
                     failed = exc.result
                     doc = {"ok": False, "error": exc.to_dict(), "result": sync_doc(failed, finish)}
@@ -151,7 +157,7 @@ def sync_doc(result, finish) -> dict[str, Any]:
     return {**to_builtins(result), "servers": servers, "push_gbps": result.push_gbps}
 
 
-def finish_command(checkpoint, transport, sync_kw, version, token_step, api_key):
+def finish_command(checkpoint, transport, sync_kw, version, token_step, api_key, catalog=None):
     """`url -> the grctl push that finishes the job on that server` (the whole push, again)."""
     args = ["grctl", "push", "--checkpoint", str(Path(checkpoint).resolve())]
     args += ["--transport", transport]
@@ -161,6 +167,8 @@ def finish_command(checkpoint, transport, sync_kw, version, token_step, api_key)
         args += ["--weight-version", str(version)]
     if token_step is not None:
         args += ["--token-step", str(token_step)]
+    if catalog is not None:
+        args += ["--catalog", str(Path(catalog).resolve())]
     tail = ' --api-key "$GR_API_KEY"' if api_key else ""
     return lambda url: shlex.join([*args, "--url", url]) + tail
 
@@ -203,6 +211,14 @@ def push(
     ] = None,
     weight_version: Annotated[Optional[str], typer.Option(help="Version label to set.")] = None,
     token_step: Annotated[Optional[int], typer.Option(help="Training step label.")] = None,
+    catalog: Annotated[
+        Optional[Path],
+        typer.Option(
+            metavar="PATH",
+            help="Item catalog JSONL of these weights, installed with them (the server reads "
+            "it; needs --allow-catalog-reload there).",
+        ),
+    ] = None,
     pause_mode: Annotated[PauseMode, typer.Option(help="How to pause.")] = PauseMode.abort,
     verify: Annotated[bool, typer.Option(help="Compare every tensor's sha256 after.")] = True,
     flush_retries: Annotated[int, typer.Option(min=1, help="flush_cache tries.")] = 60,
@@ -232,6 +248,7 @@ def push(
         bucket_mb=bucket_mb,
         weight_version=weight_version,
         token_step=token_step,
+        catalog_path=catalog,
         pause_mode=pause_mode.value,
         flush_retries=flush_retries,
         flush_interval=flush_interval,

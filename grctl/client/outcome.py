@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from grctl.errors import GrctlError, Unauthorized
 
-STAGES = ("connect", "plan", "pause", "flush", "push", "continue", "verify")
+STAGES = ("connect", "plan", "pause", "flush", "begin", "push", "end", "continue", "verify")
 TRANSPORTS = ("tensor", "disk")  # WeightSync(transport=...)
 
 

@@ -158,9 +158,13 @@ class Routes:
             Call("POST", "/update_weight_version", as_(w.UpdateWeightVersionResponse), body)
         )
 
-    def begin_weight_update(self, selector: str = "all") -> w.SuccessResponse:
-        """Open SGLang 0.5.23's update session (409 conflict if one is open)."""
-        body = {"selector": selector}
+    def begin_weight_update(
+        self, selector: str = "all", *, catalog_path: str | None = None
+    ) -> w.SuccessResponse:
+        """Open SGLang 0.5.23's update session (409 conflict if one is open). `catalog_path`:
+        the catalog (a JSONL on the server) of the weights the session writes, built now and
+        installed by /end_weight_update; nothing is served in between."""
+        body = compact(selector=selector, catalog_path=catalog_path)
         return self._call(Call("POST", "/begin_weight_update", as_(w.SuccessResponse), body))
 
     def end_weight_update(self) -> w.SuccessResponse:
@@ -187,8 +191,12 @@ class Routes:
         flush_cache: bool = True,
         abort_all_requests: bool = False,
         load_format: str | None = None,
+        catalog_path: str | None = None,
     ) -> w.UpdateWeightsResponse:
+        """`catalog_path`: the catalog (a JSONL on the server) of these weights, installed with
+        them; a catalog that does not load refuses the whole update."""
         body = compact(
+            catalog_path=catalog_path,
             model_path=str(model_path),
             weight_version=w.version_str(weight_version),
             token_step=token_step,
@@ -215,10 +223,13 @@ class Routes:
         token_step: int | str | None = None,
         flush_cache: bool = True,
         abort_all_requests: bool = False,
+        catalog_path: str | None = None,
     ) -> w.UpdateWeightsResponse:
         """One chunk: one base64 payload per TP rank (grctl has one). Keep the payload's
-        tensors alive until this returns: the server reads them during the call."""
+        tensors alive until this returns: the server reads them during the call.
+        `catalog_path`: the catalog of these weights, installed with this chunk."""
         body = compact(
+            catalog_path=catalog_path,
             serialized_named_tensors=list(serialized_named_tensors),
             weight_version=w.version_str(weight_version),
             token_step=token_step,
@@ -268,8 +279,10 @@ class Routes:
         weight_version: w.Version = None,
         token_step: int | str | None = None,
         flush_cache: bool = True,
+        catalog_path: str | None = None,
     ) -> w.SuccessResponse:
         body = compact(
+            catalog_path=catalog_path,
             names=list(names),
             dtypes=[name_of(d) for d in dtypes],
             shapes=[list(s) for s in shapes],

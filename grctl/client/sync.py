@@ -3,6 +3,7 @@
     result = WeightSync(["http://a:8000", "http://b:8000"]).run("/ckpt/step_7", weight_version=7)
     result = WeightSync(router="http://gw:30000").run(...)  # the workers behind sglang-router
     result = sync.run(model.state_dict(), weight_version="step-7")  # tensors a trainer holds
+    result = sync.run("/ckpt/step_7", weight_version=7, catalog_path="/ckpt/step_7/items.jsonl")
 
 Every stage runs on all servers at once. Before anything is paused, a tensor push checks that
 the checkpoint (or the tensors) covers each server's model (the sink's own plan, against the
@@ -14,6 +15,12 @@ not fail go on to the end. If any server failed, SyncError is raised naming ever
 outcome; its `result` is the same SyncResult a clean run returns. Ctrl-C (KeyboardInterrupt)
 stops the sync the same way: partial servers stay paused, the others are resumed, and
 SyncInterrupted carries the result.
+
+With `catalog_path` (a catalog JSONL each server reads) the catalog goes with the weights: the
+disk update (a server's own read, auto included) carries it; a staged push runs inside a weight
+update session that carries it, so each server builds it before the first chunk and installs it
+with the last (nothing is served in between). A server whose catalog does not load fails before
+any weight is written.
 """
 
 from __future__ import annotations
@@ -127,11 +134,13 @@ class WeightSync:
         *,
         weight_version: str | int | None = None,
         token_step: int | str | None = None,
+        catalog_path: str | Path | None = None,
     ) -> SyncResult:
         """Sync `source` to every server: a checkpoint directory, or (tensor transport) the
         tensors a trainer holds: a state dict or (hf_name, tensor) pairs, CPU or CUDA, held by
-        reference until this returns. Raises SyncError (or SyncInterrupted) naming what each
-        server was left with."""
+        reference until this returns. `catalog_path`: the catalog of these weights, installed
+        with them. Raises SyncError (or SyncInterrupted) naming what each server was left
+        with."""
         t0 = time.perf_counter()
         if self.transport == "disk" and not sources.is_path(source):
             raise ValidationError(
@@ -152,7 +161,8 @@ class WeightSync:
                 if src is not None:
                     self._stage(result, "plan", lambda o: self._plan(o, src))
                     self._start_shm_manager(result, source)
-                self._update(result, src or source, version, token_step)
+                catalog = None if catalog_path is None else server_path(catalog_path)
+                self._update(result, src or source, version, token_step, catalog)
                 self._verify(result, src or source, version)
             except KeyboardInterrupt as exc:  # before the pause or after the resume
                 if isinstance(exc, SyncInterrupted):
@@ -167,7 +177,7 @@ class WeightSync:
             raise SyncError(result)
         return result
 
-    def _update(self, result: SyncResult, source, version, token_step) -> None:
+    def _update(self, result: SyncResult, source, version, token_step, catalog=None) -> None:
         """pause -> flush -> push -> continue. Whatever stops it, a partial server (some but
         not all of its chunks applied) is never resumed; Ctrl-C raises SyncInterrupted."""
         planned = [o for o in result.servers if o.ok]
@@ -181,7 +191,7 @@ class WeightSync:
                         self.flush_retries, self.flush_interval
                     ),
                 )
-            self._push(result, source, version, token_step)
+            self._push(result, source, version, token_step, catalog)
         except BaseException as exc:
             for out in planned:
                 if out.ok:
@@ -238,31 +248,43 @@ class WeightSync:
         """A path source for servers on this host: they read the checkpoint themselves."""
         return sources.is_path(source) and all(hosts.is_local(u) for u in self.clients)
 
-    def _push(self, result: SyncResult, source, version, token_step) -> None:
+    def _push(self, result: SyncResult, source, version, token_step, catalog=None) -> None:
         """`source`: the checkpoint path (disk), or the open source (tensor, auto). auto: a
         checkpoint goes to servers on this host by their own read of it (one copy, page cache
         -> parameters, whole or not at all), the rest, and any that refuses the read, by
-        staged buckets."""
+        staged buckets. `catalog`: the catalog path each server reads, installed with the
+        weights (a staged push carries it in a weight update session)."""
         t0 = time.perf_counter()
         todo = [o for o in result.servers if o.ok]
         if self.transport == "disk":
-            self._push_disk(result, str(source), todo, version, token_step)
+            self._push_disk(result, str(source), todo, version, token_step, catalog=catalog)
         else:
             if self.transport == "auto" and isinstance(source, Checkpoint):
                 local = [o for o in todo if hosts.is_local(o.url)]
                 read = self._push_disk(result, str(source.path), local, version, token_step,
-                                       fallback=True)  # fmt: skip
+                                       fallback=True, catalog=catalog)  # fmt: skip
                 todo = [o for o in todo if o not in read]
                 if read and not todo:
                     result.transport = "disk"
-            if todo:
+            if todo and catalog is None:
                 self._push_tensors(result, source, PushOptions(version, token_step), todo)
+            elif todo:
+                self._push_in_session(
+                    result, source, PushOptions(version, token_step), todo, catalog
+                )
         result.timings["push"] = round(time.perf_counter() - t0, 4)
         for out in result.servers:
             out.timings.setdefault("push", result.timings["push"])  # tensor chunks go to all
 
     def _push_disk(
-        self, result, checkpoint: str, outs, version, token_step, fallback: bool = False
+        self,
+        result,
+        checkpoint: str,
+        outs,
+        version,
+        token_step,
+        fallback: bool = False,
+        catalog: str | None = None,
     ) -> list[ServerOutcome]:
         """update_weights_from_disk on `outs`; returns those that read it. `fallback`: a server
         that refuses it (a 4xx: nothing changed, e.g. the path is not there for it) is left
@@ -273,7 +295,7 @@ class WeightSync:
         def disk(out: ServerOutcome) -> bool:
             try:
                 reply = self.clients[out.url].update_weights_from_disk(
-                    path, weight_version=version, token_step=token_step
+                    path, weight_version=version, token_step=token_step, catalog_path=catalog
                 )
             except Exception as exc:
                 if not (fallback and is_refusal(exc)):
@@ -283,6 +305,32 @@ class WeightSync:
             return True
 
         return [o for o, ok in zip(outs, self._pool.map(disk, outs), strict=True) if ok]
+
+    def _push_in_session(self, result: SyncResult, src, opts: PushOptions, outs, catalog: str):
+        """The chunks inside a weight update session that carries the catalog: each server
+        builds it at the begin (one that cannot fails there, before any chunk) and installs it
+        at the end. A server that opened the session but did not take every chunk still ends
+        it: it then refuses to serve, saying why."""
+
+        def call(name: str, fn: Callable[[ServerOutcome], None], on: list) -> list:
+            def one(out: ServerOutcome) -> bool:
+                try:
+                    fn(out)
+                    return True
+                except Exception as exc:
+                    if out.ok:
+                        out.fail(name, exc)
+                    return False
+
+            return [o for o, ok in zip(on, self._pool.map(one, on), strict=True) if ok]
+
+        begun = call(
+            "begin", lambda o: self.clients[o.url].begin_weight_update(catalog_path=catalog), outs
+        )
+        try:
+            self._push_tensors(result, src, opts, begun)
+        finally:
+            call("end", lambda o: self.clients[o.url].end_weight_update(), begun)
 
     def _push_tensors(self, result: SyncResult, src, opts: PushOptions, outs) -> None:
         """One staging per (local device, served dtype): servers on the same GPU read the same
@@ -352,3 +400,10 @@ class WeightSync:
         if checks:
             compare_servers(checks, source)
         result.timings["verify"] = round(time.perf_counter() - t0, 4)
+
+
+def server_path(path: str | Path) -> str:
+    """A path the server reads: absolute when it names a file here (a server on this machine),
+    else as given (the server's own path)."""
+    local = Path(path)
+    return str(local.resolve()) if local.exists() else str(path)

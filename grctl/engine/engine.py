@@ -45,7 +45,7 @@ from grctl.model.dtypes import name_of
 from grctl.model.qwen3 import Qwen3ForCausalLM
 
 if TYPE_CHECKING:
-    from grctl.catalog.store import CatalogStore
+    from grctl.catalog.store import Catalog, CatalogStore
     from grctl.engine.config import EngineConfig
 
 log = logging.getLogger("grctl.engine")
@@ -185,26 +185,36 @@ class Engine:
             max_new_tokens_limit=cfg.max_new_tokens,
         )
         self.scheduler.check_fits(req)
-        store = self.catalogs  # the request keeps the catalog served now, whatever reloads
-        catalog = store.current if store is not None and req.sampling.use_catalog else None
-        excluded = excluded_of(req, catalog, self.device)
-        start = item_start_of(req, catalog)
-        with self.gate:
-            refusals = self.gate.refusals()
-            if refusals:
-                raise refusals[0][1]()
-            rid = req.request_id or new_request_id()
-            if rid in self.scheduler or rid in self.results:
-                raise DuplicateRequestId(f"request id {rid!r} is already in use")
-            if len(self.scheduler.waiting) >= cfg.max_waiting_requests:
-                raise Overloaded(
-                    f"the waiting queue is full ({cfg.max_waiting_requests} requests)",
-                    hint="retry later",
-                )
-            seq = Sequence(rid, req, stop_ids_of(req, self.model.config), catalog, *excluded, start)
-            self.scheduler.add(seq)
-            self.stats.num_submitted += 1
-            self.gate.notify()
+        while True:  # the request keeps the catalog served when it is queued, whatever reloads
+            catalog = self._served_catalog(req)
+            excluded = excluded_of(req, catalog, self.device)  # off the lock: it reads the trie
+            start = item_start_of(req, catalog)
+            with self.gate:
+                if self._served_catalog(req) is catalog:  # else installed meanwhile: again
+                    return self._queue(req, catalog, excluded, start)
+
+    def _served_catalog(self, req: GenerateRequest):
+        store = self.catalogs
+        return store.current if store is not None and req.sampling.use_catalog else None
+
+    def _queue(self, req: GenerateRequest, catalog, excluded, start) -> str:
+        """Queue a validated request (holding the gate), or raise why not."""
+        cfg = self.config
+        refusals = self.gate.refusals()
+        if refusals:
+            raise refusals[0][1]()
+        rid = req.request_id or new_request_id()
+        if rid in self.scheduler or rid in self.results:
+            raise DuplicateRequestId(f"request id {rid!r} is already in use")
+        if len(self.scheduler.waiting) >= cfg.max_waiting_requests:
+            raise Overloaded(
+                f"the waiting queue is full ({cfg.max_waiting_requests} requests)",
+                hint="retry later",
+            )
+        seq = Sequence(rid, req, stop_ids_of(req, self.model.config), catalog, *excluded, start)
+        self.scheduler.add(seq)
+        self.stats.num_submitted += 1
+        self.gate.notify()
         return rid
 
     def kv_bytes_of(self, req: GenerateRequest) -> int:
@@ -380,6 +390,39 @@ class Engine:
             num_aborted = self.worker.abort_all() if abort_all_requests else 0
             self.gate.relabel(label, mix)
             return num_aborted
+
+    # ---- the catalog that goes with the weights -----------------------------------------
+    def install_catalog(self, catalog: Catalog, with_weights: bool) -> tuple[Catalog, int]:
+        """Serve `catalog` from the next step on, labelled with the weights' version (holding
+        the gate: a request queued from now on takes it). `with_weights`: it came with a weight
+        write, so a request in flight under an older catalog would go on with the new weights
+        and the old catalog: each ends (finish_reason abort). A plain reload leaves them on
+        their own version. Clears a catalog fault. -> (the installed catalog, how many
+        ended)."""
+        with self.gate:
+            ended = 0
+            if with_weights:
+                for seq in self.scheduler.all_sequences():
+                    if seq.catalog is not None:
+                        self.worker.abort(seq)
+                        ended += 1
+            installed = self.catalogs.install(catalog, self.gate.label)
+            self.gate.catalog_fault = self.gate.catalog_pending = None
+            self.gate.notify()
+            return installed, ended
+
+    def catalog_failed(self, why: str) -> None:
+        """The weights were written but their catalog is not served: refuse until it is."""
+        with self.gate:
+            self.gate.catalog_fault, self.gate.catalog_pending = why, None
+            self.gate.notify()
+
+    def hold_for_catalog(self, what: str | None) -> None:
+        """A session carries the weights' catalog (`what` describes it): nothing computes or
+        is admitted until it is installed; None lets go."""
+        with self.gate:
+            self.gate.catalog_pending = what
+            self.gate.notify()
 
     def flush_cache(self, timeout: float = 0.0) -> tuple[bool, int]:
         """Clear the prefix cache if no request holds KV or is computing (waits up to timeout)."""

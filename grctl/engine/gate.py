@@ -4,10 +4,12 @@ Flags: the pause mode, the open exclusive sections, whether the worker computes 
 does so without the lock) or is stopping, whether it was started and still runs, the memory
 tags released, and what the weights side last said of the weights: the label each step
 records, a description of their mix of labels, one of the tensors a failed copy left torn, and
-a generation that every write moves. A mix and torn tensors refuse alike: generation 503,
-/continue_generation 409 (the server stays paused), /ready 503. The rest of the engine's shared
-state (queues, results) is read and written holding the gate (`with gate:`), so every check and
-the act it allows are one step under one lock.
+a generation that every write moves; and whether the catalog that goes with the weights is
+served (a sync that carries one: `catalog_pending` while a session holds it, `catalog_fault`
+when it failed after the weights were written). A mix, torn tensors and a catalog fault refuse
+alike: generation 503, /continue_generation 409 (the server stays paused), /ready 503. The rest
+of the engine's shared state (queues, results) is read and written holding the gate (`with
+gate:`), so every check and the act it allows are one step under one lock.
 """
 
 from __future__ import annotations
@@ -58,6 +60,10 @@ class Gate:
         self.mix: str | None = None  # the weights side's description of a mix; None: one label
         self.torn: str | None = None  # its description of the torn tensors; None: none is
         self.generation = 0  # moves with every weight write: cached KV of older ones is stale
+        # a weight update session holds the catalog of its weights: nothing computes until its
+        # end installs both; a description of it, or None
+        self.catalog_pending: str | None = None
+        self.catalog_fault: str | None = None  # why the weights' catalog is not served
         self.allow_mixed = allow_mixed  # --allow-partial-updates: a mix is served
 
     # ---- the lock -----------------------------------------------------------------------
@@ -91,7 +97,14 @@ class Gate:
         return self.torn is None
 
     def can_progress(self) -> bool:
-        return not self.is_paused and self.is_consistent and not self.released and not self.is_mixed
+        return (
+            not self.is_paused
+            and self.is_consistent
+            and not self.released
+            and not self.is_mixed
+            and self.catalog_fault is None
+            and self.catalog_pending is None
+        )
 
     def can_compute(self) -> bool:
         return self.can_progress() and not (
@@ -112,6 +125,10 @@ class Gate:
             out.append(("weights_mixed", self.mixed_error))
         if not self.is_consistent:  # the same
             out.append(("weights_inconsistent", self.torn_error))
+        if self.catalog_fault is not None:  # the same
+            out.append(("catalog_inconsistent", self.catalog_error))
+        if self.catalog_pending is not None:
+            out.append(("catalog_pending", self.pending_error))
         if self.is_paused:
             out.append(("paused", lambda: Paused("generation is paused", hint=_RETRY_RESUMED)))
         if self.released:
@@ -129,6 +146,22 @@ class Gate:
         self, cls: type[WeightsInconsistent] = WeightsInconsistent
     ) -> WeightsInconsistent:
         return cls(f"a weight copy failed part-way: {self.torn}", hint=_REWRITE_TORN)
+
+    def catalog_error(
+        self, cls: type[WeightsInconsistent] = WeightsInconsistent
+    ) -> WeightsInconsistent:
+        return cls(
+            f"the catalog that goes with the served weights is not served: {self.catalog_fault}",
+            hint="sync again with its catalog_path, or POST /catalog/reload the catalog of "
+            "these weights",
+        )
+
+    def pending_error(self) -> Paused:
+        return Paused(
+            f"a weight update session carries the catalog of its weights ({self.catalog_pending})"
+            ": nothing is served until /end_weight_update installs both",
+            hint="retry after /end_weight_update",
+        )
 
     def memory_error(self, what: str) -> MemoryReleased:
         return MemoryReleased(
@@ -156,6 +189,8 @@ class Gate:
                 raise self.mixed_error(WeightsMixedConflict)
             if not self.is_consistent:
                 raise self.torn_error(WeightsInconsistentConflict)
+            if self.catalog_fault is not None:
+                raise self.catalog_error(WeightsInconsistentConflict)
             self.pause_mode = None
             self._cond.notify_all()
 

@@ -26,6 +26,8 @@ class CatalogStatus(Struct, kw_only=True):
     previous_version: int | None = None  # what /catalog/rollback would serve
     num_reloads: int = 0
     num_rollbacks: int = 0
+    # the weights' version when it was installed (a sync with catalog_path installs both)
+    weight_version: str | None = None
 
 
 class ItemResultOut(Struct, kw_only=True):

@@ -56,6 +56,7 @@ class StatusWeights(WeightVersionResponse, kw_only=True):
 
 class BeginWeightUpdateBody(Struct, kw_only=True):
     selector: str = "all"  # SGLang's runner selector: one of SELECTORS
+    catalog_path: str | None = None  # the catalog of the session's weights, installed at its end
 
 
 class UpdateWeightVersionBody(Struct, kw_only=True):
@@ -137,6 +138,7 @@ class UpdateFromDiskBody(Struct, kw_only=True):
     token_step: int | str | None = None
     flush_cache: bool = True
     abort_all_requests: bool = False
+    catalog_path: str | None = None  # a catalog JSONL that goes with these weights
     load_format: str | None = None
 
 
@@ -148,6 +150,7 @@ class UpdateFromTensorBody(Struct, kw_only=True):
     token_step: int | str | None = None
     flush_cache: bool = True
     abort_all_requests: bool = False
+    catalog_path: str | None = None  # a catalog JSONL that goes with these weights
 
 
 class UpdateWeightsResponse(Struct, kw_only=True):
@@ -160,6 +163,7 @@ class UpdateWeightsResponse(Struct, kw_only=True):
     token_step: int | str | None = None
     elapsed_ms: float = 0.0
     model_dir: str | None = None
+    catalog_version: int | None = None  # with catalog_path: the catalog installed with them
 
 
 class InitGroupBody(Struct, kw_only=True):
@@ -182,6 +186,7 @@ class UpdateFromDistributedBody(Struct, kw_only=True):
     token_step: int | str | None = None
     flush_cache: bool = True
     abort_all_requests: bool = False
+    catalog_path: str | None = None  # a catalog JSONL that goes with these weights
 
 
 class DestroyGroupBody(Struct, kw_only=True):

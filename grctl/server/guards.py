@@ -28,6 +28,20 @@ def catalog_reload_guard(connection: ASGIConnection, _: BaseRouteHandler) -> Non
         )
 
 
+def checked_catalog_path(state: State, path: str | None) -> str | None:
+    """A weight update's catalog_path: needs --allow-catalog-reload as /catalog/reload does,
+    and the same path rules (a non-empty string, under --weights-root when set)."""
+    if path is None:
+        return None
+    if not state.config.allow_catalog_reload:
+        raise RouteDisabled(
+            "catalog_path needs catalog reloads to be allowed",
+            hint="start the server with --allow-catalog-reload (or GR_ALLOW_CATALOG_RELOAD=1), "
+            "or send the update without catalog_path",
+        )
+    return state.engine.catalogs.checked_path(path)
+
+
 def require_weights(state: State) -> None:
     """Reading or writing the weights while /release_memory_occupation holds them on the host
     is a 503 (the engine refuses a write again under its lock)."""

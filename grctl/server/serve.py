@@ -40,7 +40,9 @@ def serve(config: ServeConfig) -> None:
     engine = build_engine(config)
     app = create_app(engine, config)
     if config.catalog is not None:
-        catalog = engine.catalogs.load(config.catalog, confine=False)
+        catalog = engine.catalogs.load(
+            config.catalog, confine=False, weight_version=engine.weight_version
+        )
         log.info(
             "catalog %s: %d items, version %d", config.catalog, len(catalog.ids), catalog.version
         )

@@ -1,10 +1,15 @@
-"""Test-only fault injection for disk updates, installed into the checkpoint's read hooks.
+"""Test-only fault injection for weight updates, installed into the checkpoint's read hooks and
+the updater's sync hooks.
 
 GRCTL_FAULT_READ_ERROR_AFTER=N makes a checkpoint's fetch of its (N+1)-th tensor raise
 OSError(EIO), as a failing disk would, once N tensors were read. GRCTL_FAULT_READ_ERROR_PATH,
-when set, limits it to checkpoints under that directory. The server calls `install_from_env`
-at start; with neither variable set nothing is installed. tests/e2e/test_faults.py uses it;
-never set either in production.
+when set, limits it to checkpoints under that directory. GRCTL_FAULT_SYNC_ERROR_AT=STEP makes a
+sync that carries a catalog raise RuntimeError at that step (updater.sync_hooks: catalog_built,
+after the catalog is built and before the weights are validated; weights_written, after the
+weights are written and before the catalog is installed); GRCTL_FAULT_SYNC_ERROR_PATH, when
+set, limits it to catalogs under that directory. The server calls `install_from_env`
+at start; with no variable set nothing is installed. tests/e2e/test_faults.py and
+tests/e2e/test_catalog_sync.py use them; never set any in production.
 """
 
 from __future__ import annotations
@@ -16,13 +21,18 @@ import weakref
 from collections.abc import Mapping
 from pathlib import Path
 
-from grctl.weights import checkpoint
+from grctl.weights import checkpoint, updater
 
 _num_fetched: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def install_from_env(env: Mapping[str, str] = os.environ) -> None:
-    """Install the faults `env` asks for into the checkpoint's read hooks (once per process)."""
+    """Install the faults `env` asks for into the checkpoint's read hooks and the updater's
+    sync hooks (once per process)."""
+    step = env.get("GRCTL_FAULT_SYNC_ERROR_AT")
+    if step and not any(getattr(h, "func", None) is _sync_error_at for h in updater.sync_hooks):
+        where = env.get("GRCTL_FAULT_SYNC_ERROR_PATH")
+        updater.sync_hooks.append(functools.partial(_sync_error_at, step, where))
     after = env.get("GRCTL_FAULT_READ_ERROR_AFTER")
     installed = [getattr(hook, "func", None) for hook in checkpoint.read_hooks]
     if after is None or _read_error_after in installed:
@@ -38,3 +48,10 @@ def _read_error_after(after: int, only: str | None, ckpt: checkpoint.Checkpoint)
     _num_fetched[ckpt] = n + 1
     if n >= after:
         raise OSError(errno.EIO, f"injected read error after {after} tensors (test hook)")
+
+
+def _sync_error_at(at: str, only: str | None, step: str, catalog_path: str) -> None:
+    if only and not Path(catalog_path).resolve().is_relative_to(Path(only).resolve()):
+        return
+    if step == at:
+        raise RuntimeError(f"injected sync error at {step} (test hook)")

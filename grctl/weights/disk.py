@@ -16,6 +16,7 @@ def update_from_disk(
     token_step: int | str | None = None,
     flush_cache: bool = True,
     abort_all_requests: bool = False,
+    catalog_path: str | None = None,  # the catalog of these weights, installed with them
 ) -> UpdateOutcome:
     model = updater.model
     with Checkpoint(path) as ckpt:
@@ -27,5 +28,6 @@ def update_from_disk(
             token_step=token_step,
             flush_cache=flush_cache,
             abort_all_requests=abort_all_requests,
+            catalog_path=catalog_path,
             is_full=True,  # a whole checkpoint: every tensor takes the label
         )

@@ -120,6 +120,7 @@ def update_from_distributed(
     token_step: int | str | None = None,
     flush_cache: bool = True,
     abort_all_requests: bool = False,
+    catalog_path: str | None = None,  # the catalog of these weights, installed with them
 ) -> UpdateOutcome:
     if load_format not in LOAD_FORMATS:
         raise ValidationError(
@@ -168,4 +169,5 @@ def update_from_distributed(
         flush_cache=flush_cache,
         abort_all_requests=abort_all_requests,
         on_refusal=drain,
+        catalog_path=catalog_path,
     )

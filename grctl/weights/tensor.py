@@ -35,6 +35,7 @@ def update_from_tensor(
     token_step: int | str | None = None,
     flush_cache: bool = True,
     abort_all_requests: bool = False,
+    catalog_path: str | None = None,  # the catalog of these weights, installed with them
 ) -> UpdateOutcome:
     named = decode_payload(first_entry(serialized_named_tensors), load_format)
     by_name = dict(named)
@@ -53,6 +54,7 @@ def update_from_tensor(
             token_step=token_step,
             flush_cache=flush_cache,
             abort_all_requests=abort_all_requests,
+            catalog_path=catalog_path,
         )
     finally:
         named.clear()

@@ -12,8 +12,21 @@ Every transport (disk, pushed tensors, a distributed broadcast) runs through `We
     updater creates it), the engine is told the new label, mix and torn tensors
     (Engine.weights_written), and the prefill cache is flushed if asked.
 
+An update may carry the catalog that goes with its weights (`catalog_path`): it is built and
+checked first, before the weights are, and a bad one refuses the whole update, nothing changed;
+it is installed right after the copy, inside the same exclusive section, so no step runs on the
+new weights with the old catalog or the reverse (Engine.install_catalog). A failure between the
+copy and the install leaves the engine refusing to serve, saying why (Engine.catalog_failed),
+until a catalog is installed.
+
 It also holds SGLang's weight-update session (/begin_weight_update, /end_weight_update): updates
 work with or without one; ending one reports the labels and fails while they are mixed or torn.
+A session may carry the catalog instead: nothing computes while it is open, and its end installs
+the catalog (or, with the weights mixed or torn, leaves the engine refusing).
+
+`sync_hooks`: callables run with the name of each step of a sync that carries a catalog
+("catalog_built", "weights_written") and its catalog path; test fault hooks
+(grctl/testing/faults.py) raise there.
 """
 
 from __future__ import annotations
@@ -26,7 +39,12 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from grctl.errors import Conflict, WeightsInconsistentConflict, WeightsMixedConflict
+from grctl.errors import (
+    Conflict,
+    InternalError,
+    WeightsInconsistentConflict,
+    WeightsMixedConflict,
+)
 from grctl.model.device import bind_thread
 from grctl.weights import apply
 from grctl.weights.apply import WeightCopyError, Write
@@ -36,6 +54,13 @@ if TYPE_CHECKING:
     from grctl.engine.engine import Engine
 
 T = TypeVar("T")
+
+sync_hooks: list[Callable[[str, str], None]] = []  # (step, catalog path)
+
+
+def _hook(step: str, catalog_path: str) -> None:
+    for hook in sync_hooks:
+        hook(step, catalog_path)
 
 
 @dataclass
@@ -49,6 +74,7 @@ class UpdateOutcome:
     # whatever a later update has set since)
     weight_version: str = ""
     token_step: int | str | None = None
+    catalog_version: int | None = None  # the catalog the update installed with its weights
 
 
 class WeightUpdater:
@@ -62,6 +88,7 @@ class WeightUpdater:
         # the served weights' size, taken while they are loaded (a release empties them)
         self.model_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
         self._session_open = False
+        self._session_catalog = None  # the catalog an open session installs at its end
 
     def run(
         self,
@@ -76,18 +103,24 @@ class WeightUpdater:
         count: bool = True,
         is_full: bool = False,
         on_refusal: Callable[[], None] | None = None,
+        catalog_path: str | None = None,
     ) -> UpdateOutcome:
         """In its turn among the weight operations: validate (no engine hold), then copy inside
         the engine's exclusive section. Refused (503 memory_released) while the weights are
         released. `is_full`: the source is a whole checkpoint (every tensor takes the label).
         `on_refusal` runs when the update is refused before its copy, before the refusal is
-        raised: a broadcast source still takes what the trainer sent."""
+        raised: a broadcast source still takes what the trainer sent. `catalog_path`: the
+        catalog of these weights, built first and installed with them."""
         t0 = time.perf_counter()
         # A handler thread: receives, rebuilt IPC tensors and copies go to the model's device.
         bind_thread(next(self.model.parameters()).device)
         with self._lock, ExitStack() as section:
+            catalog = None
             try:
                 self.engine.require_weights("the weights cannot be written")
+                if catalog_path is not None:
+                    catalog = self.engine.catalogs.build(catalog_path)
+                    _hook("catalog_built", catalog_path)
                 writes = validate()
                 num_aborted = section.enter_context(self.engine.exclusive(abort_all_requests))
             except Exception:
@@ -115,10 +148,38 @@ class WeightUpdater:
             )
             self._tell_engine(self.versions.current)
             label, step = self.versions.current, self.versions.token_step
+            catalog_version = None
+            if catalog is not None:
+                installed, ended = self._install(catalog, catalog_path)
+                catalog_version, num_aborted = installed.version, num_aborted + ended
         num_bytes = sum(w.dst.numel() * w.dst.element_size() for w in writes)
         return UpdateOutcome(
-            loaded, num_aborted, flushed, round(elapsed_ms, 3), num_bytes, label, step
+            loaded,
+            num_aborted,
+            flushed,
+            round(elapsed_ms, 3),
+            num_bytes,
+            label,
+            step,
+            catalog_version,
         )
+
+    def _install(self, catalog, path: str):
+        """Install the catalog of the weights just written; a failure leaves the engine
+        refusing to serve, and is raised saying so."""
+        try:
+            _hook("weights_written", path)
+            return self.engine.install_catalog(catalog, with_weights=True)
+        except Exception as exc:
+            why = (
+                f"the weights of version {self.versions.current!r} were written but their "
+                f"catalog {path!r} could not be installed ({exc})"
+            )
+            self.engine.catalog_failed(why)
+            raise InternalError(
+                f"{why}; generation is refused until a catalog is installed",
+                hint="sync again with catalog_path, or POST /catalog/reload",
+            ) from exc
 
     def _tell_engine(self, label: str | None) -> None:
         """What the engine must know of the weights after a write: label, mix, torn tensors."""
@@ -142,13 +203,19 @@ class WeightUpdater:
                 self.versions.current, self.versions.mix(), abort_all_requests
             )
 
-    def begin_session(self) -> None:
+    def begin_session(self, catalog_path: str | None = None) -> None:
+        """Open the session; with `catalog_path`, build that catalog first (a bad one opens
+        nothing) and hold every step until the end installs it."""
         with self._lock:
             if self._session_open:
                 raise Conflict(
                     "a weight update session is already open",
                     hint="call /end_weight_update first",
                 )
+            if catalog_path is not None:
+                self._session_catalog = (self.engine.catalogs.build(catalog_path), catalog_path)
+                _hook("catalog_built", catalog_path)
+                self.engine.hold_for_catalog(f"catalog {catalog_path!r}")
             self._session_open = True
 
     def end_session(self) -> str:
@@ -160,11 +227,26 @@ class WeightUpdater:
                     "no weight update session is open", hint="call /begin_weight_update first"
                 )
             self._session_open = False
+            held, self._session_catalog = self._session_catalog, None
+            refusal = None
             if self.engine.is_weights_mixed:
-                raise self.engine.mixed_error(WeightsMixedConflict)
-            if not self.engine.is_weights_consistent:
-                raise self.engine.torn_error(WeightsInconsistentConflict)
-            return f"weight update session ended; {self.versions.describe_mix()}"
+                refusal = self.engine.mixed_error(WeightsMixedConflict)
+            elif not self.engine.is_weights_consistent:
+                refusal = self.engine.torn_error(WeightsInconsistentConflict)
+            if refusal is not None:
+                if held is not None:
+                    self.engine.catalog_failed(
+                        f"the weight update session ended with its weights unfinished, so its "
+                        f"catalog {held[1]!r} was not installed"
+                    )
+                raise refusal
+            message = f"weight update session ended; {self.versions.describe_mix()}"
+            if held is not None:
+                installed, ended = self._install(*held)
+                message += f"; catalog version {installed.version} installed"
+                if ended:
+                    message += f" ({ended} requests under the old catalog ended)"
+            return message
 
     def reset_tensors(self, skip: list[str] | None = None) -> int:
         """weights_checker reset_tensors: overwrite every tensor not in `skip` (name substrings)

@@ -74,7 +74,7 @@ def root(tmp_path_factory) -> Path:
 def srv(start_server, root):
     ckpt = write_checkpoint(root / "weights" / "base", seed=41)
     args = ("--model-path", str(ckpt), "--weights-root", str(root / "weights"))
-    return start_server("--allow-weight-update", *args)
+    return start_server("--allow-weight-update", "--allow-catalog-reload", *args)
 
 
 @pytest.fixture(scope="module")
@@ -386,6 +386,9 @@ def cases(root: Path) -> list[tuple[str, str, object]]:
         ("GET", "/v1/loads?format=", None),
         ("GET", "/loads?dp_rank=abc", None),
         ("GET", "/loads?dp_rank=1.5", None),
+        # catalog_path on every update and on a session: types, escapes, bad files (the whole
+        # sync refused, the weights untouched, no session left open)
+        *catalog_cases(root),
         # unknown routes and methods
         ("DELETE", "/generate", None),
         ("GET", "/update_weights_from_disk", None),
@@ -405,6 +408,33 @@ def cases(root: Path) -> list[tuple[str, str, object]]:
     return c
 
 
+def catalog_cases(root: Path) -> list[tuple[str, str, object]]:
+    base, weights = str(root / "weights" / "base"), root / "weights"
+    paths: list[object] = [
+        42,
+        ["a.jsonl"],
+        "",
+        "items\x00.jsonl",
+        "/etc/passwd",
+        str(root / "outside" / "items.jsonl"),
+        str(weights / ".." / "outside" / "items.jsonl"),
+        str(weights / "nope.jsonl"),
+        str(weights),  # a directory
+        str(weights / "bad-token.jsonl"),  # a token past the vocabulary
+        str(weights / "not-json.jsonl"),
+    ]
+    c: list[tuple[str, str, object]] = []
+    for path in paths:
+        c.append(("POST", "/update_weights_from_disk", {"model_path": base, "catalog_path": path}))
+        c.append(("POST", "/begin_weight_update", {"catalog_path": path}))
+    for path in (42, str(weights / "bad-token.jsonl")):
+        body = {**tensor_body(bucket([rec()])), "catalog_path": path}
+        c.append(("POST", "/update_weights_from_tensor", body))
+    body = {"names": [], "dtypes": [], "shapes": [], "catalog_path": {"x": 1}}
+    c.append(("POST", "/update_weights_from_distributed", body))
+    return c
+
+
 # Collection needs only how many cases there are (building them writes a helper module, so
 # in a directory removed at once); `prepared` builds them again under the real root.
 with tempfile.TemporaryDirectory(prefix="grctl-fuzz-count-") as _tmp:
@@ -418,6 +448,9 @@ def prepared(root, srv):
     link = root / "weights" / "link"
     if not link.exists():
         link.symlink_to(root / "outside" / "ckpt")
+    (root / "outside" / "items.jsonl").write_text('{"item_id": 1, "token_ids": [20, 40]}\n')
+    (root / "weights" / "bad-token.jsonl").write_text('{"item_id": 1, "token_ids": [10000]}\n')
+    (root / "weights" / "not-json.jsonl").write_text("{item_id: 1,\n")
     built = cases(root)
     assert len(built) == NUM_CASES
     return built

@@ -36,9 +36,10 @@ async def catalog_status(state: State) -> CatalogStatus:
 async def catalog_reload(
     state: State, data: Annotated[CatalogReloadBody | None, Body()] = None
 ) -> CatalogStatus:
-    store = state.engine.catalogs
-    path = store.checked_path((data or CatalogReloadBody()).path)
-    await offload(state, store.load, path)
+    engine = state.engine
+    path = engine.catalogs.checked_path((data or CatalogReloadBody()).path)
+    catalog = await offload(state, engine.catalogs.build, path)
+    engine.install_catalog(catalog, with_weights=False)  # labelled with the weights served
     return status_of(state)
 
 

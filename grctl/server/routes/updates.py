@@ -3,8 +3,10 @@ disk, a pushed tensor chunk, a broadcast in a trainer's process group (and that 
 and leave). Off unless --allow-weight-update; their errors also hold SGLang's top-level
 `success: false` and `message`.
 
-Each blocking call (a load; the group join waits for the trainer; an update waits for its
-broadcast) runs in a worker thread, so the event loop keeps serving while a trainer is slow or
+Every update may carry `catalog_path`, the catalog of its weights: built and checked before the
+weights are touched, installed with them (WeightUpdater.run). Each blocking call (a load; the
+group join waits for the trainer; an update waits for its broadcast; a catalog build) runs in a
+worker thread, so the event loop keeps serving while a trainer is slow or
 gone. Each update ends in the WeightUpdater (app.state.updater). The groups live in a
 GroupRegistry on app.state, made on first use.
 """
@@ -31,7 +33,12 @@ from grctl.protocol.weights import (
 )
 from grctl.server import logs
 from grctl.server.exceptions import SGLANG_ERRORS
-from grctl.server.guards import check_selector, require_weights, weight_update_guard
+from grctl.server.guards import (
+    check_selector,
+    checked_catalog_path,
+    require_weights,
+    weight_update_guard,
+)
 from grctl.server.offload import offload
 from grctl.weights import disk, distributed, tensor
 from grctl.weights.process_group import GroupRegistry, check_init_args
@@ -74,7 +81,7 @@ async def update_weights_from_disk(
         disk.update_from_disk,
         state.updater,
         path,
-        **update_options(body),
+        **update_options(state, body),
     )
     state.model_path = path
     return update_response(
@@ -102,7 +109,7 @@ async def update_weights_from_tensor(
         state.updater,
         body.serialized_named_tensors,
         body.load_format,
-        **update_options(body),
+        **update_options(state, body),
     )
     return update_response(
         state, outcome, "Succeeded to update model weights from tensor.", transport="tensor"
@@ -121,13 +128,14 @@ def refuse_custom_loader(load_format: str | None) -> None:
         )
 
 
-def update_options(body) -> dict:
+def update_options(state: State, body) -> dict:
     """The options every update route shares, as WeightUpdater.run takes them."""
     return {
         "weight_version": version_str(body.weight_version),
         "token_step": body.token_step,
         "flush_cache": body.flush_cache,
         "abort_all_requests": body.abort_all_requests,
+        "catalog_path": checked_catalog_path(state, body.catalog_path),
     }
 
 
@@ -145,6 +153,7 @@ def update_response(
         weight_version=outcome.weight_version,
         token_step=outcome.token_step,
         elapsed_ms=outcome.elapsed_ms,
+        catalog_version=outcome.catalog_version,
     )
 
 
@@ -158,6 +167,7 @@ def log_update(state: State, transport: str, outcome) -> None:
         version=outcome.weight_version,
         aborted=outcome.num_aborted_requests,
         flushed_cache=outcome.flushed_cache,
+        catalog=outcome.catalog_version,
     )
 
 
@@ -215,13 +225,14 @@ async def update_weights_from_distributed(
         body.group_name,
         specs,
         load_format=body.load_format,
-        **update_options(body),
+        **update_options(state, body),
     )
     log_update(state, "distributed", outcome)
+    catalog = "" if outcome.catalog_version is None else f"; catalog {outcome.catalog_version}"
     return SuccessResponse(
         success=True,
         message=f"Succeeded to update {outcome.tensors_loaded} tensors from group "
-        f"{body.group_name!r} in {outcome.elapsed_ms:.0f} ms.",
+        f"{body.group_name!r} in {outcome.elapsed_ms:.0f} ms{catalog}.",
     )
 
 

@@ -40,7 +40,12 @@ from grctl.protocol.weights import (
 )
 from grctl.server import logs
 from grctl.server.exceptions import SGLANG_ERRORS
-from grctl.server.guards import check_selector, require_weights, weight_update_guard
+from grctl.server.guards import (
+    check_selector,
+    checked_catalog_path,
+    require_weights,
+    weight_update_guard,
+)
 from grctl.server.offload import offload
 from grctl.server.params import merged_params
 from grctl.weights import checker
@@ -93,9 +98,14 @@ async def get_weight_version(state: State) -> WeightVersionResponse:
 async def begin_weight_update(
     state: State, data: Annotated[BeginWeightUpdateBody | None, Body()] = None
 ) -> SuccessResponse:
-    check_selector((data or BeginWeightUpdateBody()).selector)
-    await offload(state, state.updater.begin_session)
-    return SuccessResponse(success=True, message="weight update session opened")
+    body = data or BeginWeightUpdateBody()
+    check_selector(body.selector)
+    catalog_path = checked_catalog_path(state, body.catalog_path)
+    await offload(state, state.updater.begin_session, catalog_path)
+    message = "weight update session opened"
+    if catalog_path is not None:
+        message += f"; catalog {catalog_path!r} built, installed at /end_weight_update"
+    return SuccessResponse(success=True, message=message)
 
 
 @post(
