@@ -5,9 +5,9 @@ outputs identify them.
 
 It proves, for every answer: no 5xx but 503 `paused` (retryable); a 200's output_ids are
 transformers' greedy outputs of the checkpoint its meta_info.weight_version names; two versions
-in weight_versions only across an in_place cycle A -> B, with the outputs of a run that took its
-first tokens from A and the rest from B on A's KV; finish_reason abort only across an abort-mode
-pause. And for the server: RssAnon after warm-up grows < 5%, open fds and shared-memory segments
+in the weight_versions spans only across an in_place or retract cycle A -> B, with the outputs of
+a run that took its first tokens from A and the rest from B (in_place: on A's KV; retract: on
+B's, recomputed); finish_reason abort only across an abort-mode pause. And for the server: RssAnon after warm-up grows < 5%, open fds and shared-memory segments
 (its own maps, the trainer's /dev/shm segments) do not grow, the served checksums are the last
 checkpoint's, and nothing in its log is a traceback. GRCTL_SOAK_S sets the duration (default 45 s).
 """
