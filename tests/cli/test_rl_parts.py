@@ -131,3 +131,17 @@ def test_the_first_epoch_ratio_shows_logprobs_of_another_distribution(task):
         s.sampling_logprob = sum(s.logprobs)
     stats = trainer.step([Group(0, samples, None, whole_support=False)])
     assert stats.first_ratio_gap > 1.0 and stats.max_token_gap > 0.5
+
+
+def test_summary_compares_disjoint_windows():
+    from grctl.cli.rl.loop import StepRow, summary
+    from grctl.cli.rl.trainer import StepStats
+
+    stats = StepStats(0.0, 0.5, 0.0, 1e-6, 2e-6, 0.9, 1.1, 0.0)
+    rows = [
+        StepRow(i, f"step-{i}", i / 10, 0.0, 0.2, 0.1, 0.1, stats, 0, 0, 0, 0) for i in range(4)
+    ]
+    s = summary(rows)
+    assert s["window"] == 2 and s["exact_reward_first"] == pytest.approx(0.05)
+    assert s["exact_reward_last"] == pytest.approx(0.25) and s["max_first_ratio_gap"] == 2e-6
+    assert summary(rows * 5)["window"] == 5
