@@ -32,8 +32,9 @@ from grctl.engine.search.beam import (
     Beams,
     StepState,
 )
-from grctl.engine.search.candidates import Cands, Group, Parents, RowTops
+from grctl.engine.search.candidates import Cands, Group, Parents
 from grctl.engine.search.logits_processors import apply_edits
+from grctl.engine.search.row_tops import RowTops
 from grctl.engine.search.sampler import row_logsumexp
 
 

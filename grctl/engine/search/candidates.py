@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from grctl.engine.search import sampler
+from grctl.engine.search.row_tops import RowTops
 from grctl.engine.search.segments import segment_topk
 
 NEG_INF = float("-inf")
@@ -55,27 +56,6 @@ class Cands:
         f = torch.full((num, k), NEG_INF, device=device)
         i = torch.zeros((num, k), dtype=torch.int64, device=device)
         return cls(f, f.clone(), f.clone(), i, i.clone(), i.clone(), i.bool(), f.clone())
-
-
-@dataclass
-class RowTops:
-    """Per row of the step, when asked: the best behaviour log-probabilities ([rows, k] values
-    and token ids) and the sampling support ([rows, c]), -inf (token 0) where none."""
-
-    top: tuple[torch.Tensor, torch.Tensor] | None
-    mask: tuple[torch.Tensor, torch.Tensor] | None
-
-    @classmethod
-    def empty(cls, rows: int, k: int, c: int, device) -> RowTops:
-        def pair(width):
-            if width == 0:
-                return None
-            return (
-                torch.full((rows, width), NEG_INF, device=device),
-                torch.zeros((rows, width), dtype=torch.int64, device=device),
-            )
-
-        return cls(pair(k), pair(c))
 
 
 @dataclass
@@ -141,9 +121,9 @@ def _collect_group(
         # the behaviour distribution: the processed log-probabilities renormalised
         norm = sampler.row_logsumexp(xr, True) if tokens is not None or processed else row_lse
         blp = torch.nan_to_num(lp - norm, nan=NEG_INF, neginf=NEG_INF)
-        if _wants_top(tops, g):
+        if tops.wants_top(g.beams):
             values, ids = xr.topk(min(tops.top[0].shape[1], m), dim=-1)
-            _put(
+            tops.put(
                 tops.top,
                 rows,
                 torch.nan_to_num(values - norm, nan=NEG_INF, neginf=NEG_INF),
@@ -164,10 +144,10 @@ def _collect_group(
             key = sampler.conditioned(top, gum.max(-1).values, p_key)
         score = p_score[:, None] + (xr.gather(1, col) - row_lse)
         blp = lpt.gather(1, col)
-        if _wants_top(tops, g):
-            _put(tops.top, rows, *lpt.topk(min(tops.top[0].shape[1], m), dim=-1), tokens)
+        if tops.wants_top(g.beams):
+            tops.put(tops.top, rows, *lpt.topk(min(tops.top[0].shape[1], m), dim=-1), tokens)
         if tops.mask is not None and any(b.mask_width for b in g.beams):
-            _put(tops.mask, rows, *lpt.topk(min(tops.mask[0].shape[1], m), dim=-1), tokens)
+            tops.put(tops.mask, rows, *lpt.topk(min(tops.mask[0].shape[1], m), dim=-1), tokens)
     phi = p_phi[:, None] + blp
     tok = col if tokens is None else tokens.gather(1, col)
     node = torch.zeros_like(col) if nodes is None else nodes.gather(1, col)
@@ -194,20 +174,6 @@ def _collect_group(
         ("blp", blp),
     ):
         getattr(out, name)[reqs] = t.flatten()[pos]
-
-
-def _wants_top(tops: RowTops, g: Group) -> bool:
-    return tops.top is not None and any(
-        b.top_logprobs > 0 and not b.original_logprob for b in g.beams
-    )
-
-
-def _put(pair, rows, values, cols, tokens) -> None:
-    """Write rows' best (value, column) pairs into a RowTops pair, columns as token ids."""
-    ids = cols if tokens is None else tokens.gather(1, cols)
-    c = values.shape[1]
-    pair[0][rows, :c] = values
-    pair[1][rows, :c] = ids
 
 
 def _children(x, lse, par: Parents, rows, g: Group, trie):
