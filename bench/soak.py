@@ -19,10 +19,10 @@ Every answer is checked as it arrives:
 - 5xx other than 503 `paused` or `weights_mixed` (retryable, inside a sync cycle: a tensor push
   leaves two labels between its chunks), any 4xx, or a transport error: a violation;
 - 200 with one version: output_ids equal transformers' outputs of that checkpoint;
-- 200 with two versions [A, B] (meta_info.weight_versions spans): only during an in_place or
-  retract cycle A -> B, and output_ids equal what transformers gives when the first k tokens come
-  from A and the rest from B, for some 1 <= k < max_new_tokens: in_place, on A's KV of those k
-  tokens (prefill and k-1 decode steps, kept); retract, on B's KV of them (recomputed);
+- 200 with several versions A, B, ... (meta_info.weight_versions spans): each change only during
+  an in_place or retract cycle A -> B, and output_ids equal what transformers gives token by
+  token when each span's tokens are chosen by its checkpoint and, at each change, the KV before
+  is kept (in_place: A's KV, continued by B) or recomputed by B (retract);
 - 200 with finish_reason abort: only during an abort-mode pause; outputs a prefix of its version's.
 Resources of the server process (RssAnon, open fds, /dev/shm segments it maps) and this process's
 own shared-memory segments are sampled at cycle boundaries under load: the first sample after the
@@ -33,6 +33,7 @@ equal the current checkpoint's. Prints one JSON object on stdout; exit status 1 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -100,47 +101,29 @@ class Reference:
             name: [(n, t.detach().clone()) for n, t in model.state_dict().items()]
             for name, model in self.models.items()
         }
-        self._mixed: dict[tuple, list[list[int]]] = {}
         self._lock = threading.Lock()
 
-    def mixed_runs(self, a: str, b: str, prompt: list[int]) -> list[list[int]]:
-        """Every output an in_place pause A -> B can give: k tokens from A, then B's."""
-        key = (a, b, tuple(prompt))
-        with self._lock:  # computed on first need (few pairs show up in a short run)
-            if key not in self._mixed:
-                first = self.expected[a][tuple(prompt)]
-                self._mixed[key] = [
-                    greedy_on_kv(self.models[a], self.models[b], prompt, first[:k], len(first))
-                    for k in range(1, len(first))
-                ]
-            return self._mixed[key]
-
-    def recomputed_runs(self, a: str, b: str, prompt: list[int]) -> list[list[int]]:
-        """Every output a retract A -> B can give: k tokens from A, then B's greedy
-        continuation of the prompt and those k tokens (B recomputes all of their KV)."""
-        key = ("retract", a, b, tuple(prompt))
-        with self._lock:
-            if key not in self._mixed:
-                first, model = self.expected[a][tuple(prompt)], self.models[b]
-                self._mixed[key] = [
-                    greedy_on_kv(model, model, prompt, first[:k], len(first))
-                    for k in range(1, len(first))
-                ]
-            return self._mixed[key]
-
-
-@torch.no_grad()
-def greedy_on_kv(model_a, model_b, prompt: list[int], first: list[int], n: int) -> list[int]:
-    """Tokens `first` came from A (prefill + len(first)-1 decode steps, whose KV A computed); B
-    computes the rest, on that KV, as an in_place pause followed by an update leaves it."""
-    k = len(first)
-    cache = model_a(torch.tensor([prompt + first[: k - 1]]), use_cache=True).cache
-    out, tok = list(first), first[-1]
-    while len(out) < n:
-        step = model_b(torch.tensor([[tok]]), cache=cache, use_cache=True)
-        cache, tok = step.cache, int(step.logits[0, -1].argmax())
-        out.append(tok)
-    return out
+    def follows(self, prompt: list[int], out: list[int], spans: list, modes: tuple) -> bool:
+        """Whether greedy decoding gives `out` (or its first tokens, for an abort) when each
+        token is chosen by the checkpoint its span names and, at each span's first token, the
+        KV of what came before is kept (in_place: the old weights' KV, continued by the new) or
+        recomputed by the new checkpoint (retract): transformers, token by token."""
+        at = [v for v, start, end in spans for _ in range(start, end)]
+        edges = {start: mode for (_, start, _), mode in zip(spans[1:], modes, strict=True)}
+        with self._lock, torch.no_grad():  # one replay at a time on the shared models
+            step = self.models[at[0]](torch.tensor([prompt]), use_cache=True)
+            if int(step.logits[0, -1].argmax()) != out[0]:
+                return False
+            cache = step.cache
+            for t in range(1, len(out)):
+                model = self.models[at[t]]
+                if edges.get(t) == "retract":  # the prompt and tokens before: the new KV
+                    cache = model(torch.tensor([prompt + out[: t - 1]]), use_cache=True).cache
+                step = model(torch.tensor([[out[t - 1]]]), cache=cache, use_cache=True)
+                if int(step.logits[0, -1].argmax()) != out[t]:
+                    return False
+                cache = step.cache
+        return True
 
 
 # ---- what the server may answer ------------------------------------------------------------
@@ -231,27 +214,28 @@ class Checker:
         aborted = meta["finish_reason"]["type"] == "abort"
         if aborted and not any(w.mode == "abort" for w in cycles):
             return self.violation(f"aborted outside an abort-mode cycle: {where}")
-        if len(versions) == 2:
-            # Frozen by an in_place pause A -> B, resumed on B: tokens from A, then B's tokens
-            # computed on A's KV. Retracted A -> B: tokens from A, then B's continuation with
-            # all of the KV recomputed. Either may be aborted by a later abort-mode pause.
-            a, b = versions
-            modes = {w.mode for w in cycles if (w.old, w.new) == (a, b)} & {"in_place", "retract"}
-            if version != b or not modes:
-                return self.violation(f"two versions outside a cycle {a}->{b}: {where}")
-            runs = {
-                mode: (self.ref.mixed_runs if mode == "in_place" else self.ref.recomputed_runs)(
-                    a, b, prompt
-                )
-                for mode in modes
-            }
-            for mode, mode_runs in runs.items():
-                if any(out == run[: len(out)] if aborted else out == run for run in mode_runs):
+        if len(versions) >= 2:
+            # Across pauses with updates: frozen by an in_place pause A -> B and resumed on B
+            # (B's tokens on A's KV), or retracted A -> B (B continues A's tokens, all of their
+            # KV recomputed); a request may straddle several such cycles, and a later
+            # abort-mode pause may end it.
+            spans = [(s["version"], s["start"], s["end"]) for s in meta["weight_versions"]]
+            spans = [sp for sp in spans if sp[2] > sp[1]]
+            if version != versions[-1]:
+                return self.violation(f"weight_version is not the last token's: {where}")
+            choices = []
+            for (a, _, _), (b, _, _) in zip(spans, spans[1:], strict=False):
+                modes = {w.mode for w in cycles if (w.old, w.new) == (a, b)}
+                choices.append(sorted(modes & {"in_place", "retract"}))
+            if not all(choices):
+                return self.violation(f"versions {versions} change outside a cycle: {where}")
+            for modes in itertools.product(*choices):
+                if self.ref.follows(prompt, out, spans, modes):
                     if aborted:
                         return self.count("aborted")
-                    kind = "mixed_in_place" if mode == "in_place" else "recomputed_across_retract"
+                    kind = "recomputed_across_retract" if "retract" in modes else "mixed_in_place"
                     return self.count(kind)
-            return self.violation(f"no {a}-then-{b} greedy run gives these outputs: {where}")
+            return self.violation(f"no greedy run across {versions} gives these outputs: {where}")
         if aborted:
             if versions not in ([], [version]) or out != expected[: len(out)]:
                 return self.violation(f"aborted answer is not a prefix of {version}'s: {where}")

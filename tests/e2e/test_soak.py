@@ -4,12 +4,14 @@ transports and the abort, retract and in_place pause modes over three checkpoint
 outputs identify them.
 
 It proves, for every answer: no 5xx but 503 `paused` (retryable); a 200's output_ids are
-transformers' greedy outputs of the checkpoint its meta_info.weight_version names; two versions
-in the weight_versions spans only across an in_place or retract cycle A -> B, with the outputs of
-a run that took its first tokens from A and the rest from B (in_place: on A's KV; retract: on
-B's, recomputed); finish_reason abort only across an abort-mode pause. And for the server: RssAnon after warm-up grows < 5%, open fds and shared-memory segments
-(its own maps, the trainer's /dev/shm segments) do not grow, the served checksums are the last
-checkpoint's, and nothing in its log is a traceback. GRCTL_SOAK_S sets the duration (default 45 s).
+transformers' greedy outputs of the checkpoint its meta_info.weight_version names; more than one
+version in the weight_versions spans only across in_place or retract cycles, with the outputs
+transformers gives token by token when each span's tokens come from its checkpoint (at each
+change in_place continues on the old KV, retract on KV the new checkpoint recomputed);
+finish_reason abort only across an abort-mode pause. And for the server: RssAnon after warm-up
+grows < 5%, open fds and shared-memory segments (its own maps, the trainer's /dev/shm segments)
+do not grow, the served checksums are the last checkpoint's, and nothing in its log is a
+traceback. GRCTL_SOAK_S sets the duration (default 45 s).
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ def test_soak_generation_during_sync_cycles(tmp_path):
     assert set(report["cycles_by_kind"]) == kinds, report["cycles_by_kind"]
     assert report["num_cycles"] >= 60, summary
     req = report["requests"]
-    assert req["ok"] + req["ok_across_retract"] >= 50, req
+    complete = req["ok"] + req["ok_across_retract"] + req["recomputed_across_retract"]
+    assert complete >= 50, req
     assert req["aborted"] >= 1 and req["mixed_in_place"] >= 1 and req["paused_503"] >= 1, req
+    assert req["recomputed_across_retract"] >= 1, req  # a retract kept tokens and continued
     assert report["final_checksum_ok"] is True
     growth = report["resources"]["growth"]
     assert growth["rss_anon_pct"] < 5.0 and growth["fds"] <= 2, growth
