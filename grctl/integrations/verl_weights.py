@@ -8,7 +8,9 @@ tensors go to the rank's grctl server as SGLang's flattened buckets
 labelled weight_version N, so every reply says which step's weights produced it.
 
 verl's own checkpoint engines (nccl, nixl, ...) call the same update_weights in the rollout's
-CheckpointEngineWorker, on the rollout's GPU, after pausing the replicas with abort.
+CheckpointEngineWorker, on the rollout's GPU, after pausing the replicas with abort; their
+tensors come as an async generator of views into a reused buffer, so they are copied first
+(the model's size in device memory, for the push).
 """
 
 from __future__ import annotations
@@ -27,6 +29,15 @@ except ImportError:  # importable without verl (grctl.integrations.verl.register
     BaseRollout = object  # type: ignore[assignment,misc]
 
 
+async def collect(weights: Any) -> list[tuple[str, Any]]:
+    """verl's weights as (name, tensor) pairs: a trainer's generator of whole tensors as they
+    are; a checkpoint engine's async generator, whose tensors are views of the bucket buffer it
+    receives the next bucket into, copied as they come."""
+    if hasattr(weights, "__aiter__"):
+        return [(name, tensor.clone()) async for name, tensor in weights]
+    return [(name, tensor) for name, tensor in weights]
+
+
 class GrctlServerAdapter(BaseRollout):
     def __init__(
         self,
@@ -41,6 +52,7 @@ class GrctlServerAdapter(BaseRollout):
         super().__init__(config, model_config, device_mesh)
         # one server per device, so a trainer rank's replica is its rank (verl sets RANK)
         self.replica_rank = int(os.environ.get("RANK", "0")) if replica_rank < 0 else replica_rank
+        self.is_leader_rank = True  # the replica's one rank (verl's checkpoint engines ask)
         self.url = server_url(self.config, self.replica_rank)
         self.client = GRClient(self.url, api_key=settings(self.config).get("api_key"))
         engine = getattr(self.config, "checkpoint_engine", None)
@@ -72,7 +84,7 @@ class GrctlServerAdapter(BaseRollout):
                 "rollout.name=grctl serves merged weights: set actor_rollout_ref.model.lora.merge"
                 "=True (a LoRA adapter is not served separately)"
             )
-        named = [(name, tensor) for name, tensor in weights]
+        named = await collect(weights)
         version = None if global_steps is None else str(global_steps)
         await asyncio.to_thread(
             self.client.push_tensors, named, bucket_mb=self.bucket_mb, weight_version=version

@@ -66,3 +66,25 @@ def test_verls_sampling_params_as_grctls():
 def test_the_server_address_is_the_urls():
     assert actor().get_server_address() == ("a", 1)
     assert GrctlServer("https://h", rollout(), 0, None).get_server_address() == ("h", 443)
+
+
+def test_weights_are_collected_whole():
+    """A checkpoint engine's tensors are views of a buffer it refills: copied as they come."""
+    import asyncio
+
+    import torch
+
+    from grctl.integrations.verl_weights import collect
+
+    buffer = torch.zeros(4)
+
+    async def refilled():
+        for i in range(3):
+            buffer.fill_(float(i))
+            yield f"t{i}", buffer.view(2, 2)
+
+    got = asyncio.run(collect(refilled()))
+    assert [n for n, _ in got] == ["t0", "t1", "t2"]
+    assert [float(t.sum()) for _, t in got] == [0.0, 4.0, 8.0]
+    plain = [("a", torch.ones(1))]
+    assert asyncio.run(collect(iter(plain)))[0][1] is plain[0][1]  # a trainer's: not copied
