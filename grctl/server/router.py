@@ -1,10 +1,14 @@
-"""`grctl serve --router-url`: the replica joins an sglang-router once its engine runs and leaves
-it before it drains (the registry's routes: protocol/router.py)."""
+"""`grctl serve --router-url`: the replica checks the router (sglang-router or smg) answers before
+it starts, joins it once it listens and leaves it before it drains (the registry's routes:
+protocol/router.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
+import threading
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -76,21 +80,64 @@ def advertised_url(config: ServeConfig) -> str:
     return config.url
 
 
+def check_reachable(router_url: str) -> None:
+    """The router answers its worker list (else the replica does not start)."""
+    resp = _call("GET", router_url, router.WORKERS)
+    if resp.status_code == 404:
+        resp = _call("GET", router_url, router.OLD_LIST_WORKERS)
+    _check(resp, "list workers")
+
+
+def wait_listening(config: ServeConfig, stop: threading.Event, timeout: float = 120.0) -> bool:
+    """Until this server answers /health on its own port (uvicorn binds after the lifespan's
+    startup): a router probes a worker as soon as it is added, and smg retries a failed first
+    probe only 30 s later."""
+    host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "[::1]"}.get(config.host, config.host)
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    deadline = time.monotonic() + timeout
+    while not stop.is_set() and time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://{host}:{config.port}/health", timeout=1.0).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        stop.wait(0.05)
+    return False
+
+
 @asynccontextmanager
 async def router_membership(app: Litestar) -> AsyncIterator[None]:
-    """With --router-url: join the sglang-router once the engine runs, leave before it drains."""
+    """With --router-url: check the router answers before the server starts, join it once the
+    server listens, leave before it drains."""
     config = app.state.config
     if not config.router_url:
         yield
         return
     url = advertised_url(config)
-    await to_thread.run_sync(add_worker, config.router_url, url, config.api_key)
-    log.info("joined the router at %s as %s", config.router_url, url)
+    await to_thread.run_sync(check_reachable, config.router_url)
+    stop, joined = threading.Event(), threading.Event()
+
+    async def join() -> None:
+        try:
+            if not await to_thread.run_sync(wait_listening, config, stop):
+                raise RouterError("this server never answered its own /health")
+            await to_thread.run_sync(add_worker, config.router_url, url, config.api_key)
+            joined.set()
+            log.info("joined the router at %s as %s", config.router_url, url)
+        except Exception as exc:
+            if not stop.is_set():
+                log.error("could not join the router at %s: %s", config.router_url, exc)
+
+    task = asyncio.ensure_future(join())
     try:
         yield
     finally:
-        try:
-            await to_thread.run_sync(remove_worker, config.router_url, url)
-            log.info("left the router at %s", config.router_url)
-        except Exception as exc:  # the router may be gone first; shutting down goes on
-            log.warning("could not leave the router at %s: %s", config.router_url, exc)
+        stop.set()
+        await task
+        if joined.is_set():
+            try:
+                await to_thread.run_sync(remove_worker, config.router_url, url)
+                log.info("left the router at %s", config.router_url)
+            except Exception as exc:  # the router may be gone first; shutting down goes on
+                log.warning("could not leave the router at %s: %s", config.router_url, exc)

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from tests.server.test_custom_params import PROMPT, WIDTH, catalog_rows, ranking, served_items
-from tests.support.serverproc import free_port, start_servers
+from tests.support.serverproc import free_port, running_server, start_servers
 
 rl_client = pytest.importorskip("smg.rl")
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -151,3 +151,21 @@ def test_push_pause_resume_through_smg(fleet, tiny_checkpoint, checkpoint):
     assert {w.weight_version for w in rl.workers()} == {"default"}
     for srv in servers:
         assert httpx.get(srv.url + "/get_weight_version").json()["weight_version"] == "1"
+
+
+def test_a_replica_joins_smg_once_it_listens(fleet, tiny_checkpoint):
+    """--router-url against smg: the join waits until the replica answers, so smg's first
+    probe passes (a failed one is retried 30 s later) and the replica is ready at once; it
+    leaves at shutdown."""
+    url, rl, servers = fleet
+    with running_server("--model-path", str(tiny_checkpoint), "--router-url", url) as extra:
+        t0 = time.monotonic()
+        wait_for(
+            lambda: extra.url in {w.url for w in rl.workers() if w.health == "ready"},
+            20,
+            "the joined replica ready behind smg",
+        )
+        assert time.monotonic() - t0 < 20
+        assert "joined the router" in extra.log_text()
+    wait_for(lambda: extra.url not in {w.url for w in rl.workers()}, 20, "the replica gone")
+    assert sorted(w.url for w in rl.workers()) == sorted(s.url for s in servers)
