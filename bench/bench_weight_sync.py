@@ -293,36 +293,54 @@ SMALL_CONFIG = ModelConfig(
 
 
 def small_part(repeats: int, tmp: Path) -> dict:
-    """A trainer's small model synced from this process, as a state dict and as an Arena."""
-    from grctl.client import WeightSync
-    from grctl.rl.arena import Arena
-
+    """A trainer's small model synced from this process, as a state dict and as an Arena, to a
+    server with OpenMP's default wait policy and to one with OMP_WAIT_POLICY=passive (what
+    docs/client.md recommends when the trainer and the server share cores)."""
     path = tmp / "small"
     nbytes = write_random_checkpoint(path, SMALL_CONFIG, num_shards=1, seed=3)
     with Checkpoint(path) as ckpt:
         state = dict(ckpt.iter_tensors())
-    dst = [torch.empty_like(t) for t in state.values()]
     out: dict = {"model_bytes": nbytes, "num_tensors": len(state)}
+    for policy, env in (
+        ("server_default", None),
+        ("server_passive", {"OMP_WAIT_POLICY": "passive"}),
+    ):
+        out[policy] = small_syncs(path, state, repeats, env)
+    for policy in ("server_default", "server_passive"):
+        for name in ("state_dict", "arena"):
+            out[f"{policy}.{name}_fixed_ms"] = out[policy][f"{name}_fixed_ms"]
+    out["arena_fixed_ms"] = out["server_passive"]["arena_fixed_ms"]
+    return out
+
+
+def small_syncs(path: Path, state: dict, repeats: int, env) -> dict:
+    from grctl.client import WeightSync
+    from grctl.rl.arena import Arena
+
+    dst = [torch.empty_like(t) for t in state.values()]
+    out: dict = {}
     flags = ("--allow-weight-update", "--model-path", str(path), "--device", "cpu")
-    with running_server(*flags) as srv:
-        out["window"] = window_part(srv, 50)
+    with running_server(*flags, env=env) as srv:
+        out["window"] = {k: v for k, v in window_part(srv, 50).items() if k.endswith("ms")}
         arena = Arena(state)
         for name, source in (("state_dict", state), ("arena", arena)):
-            totals, copies = [], []
+            totals, copies, stages = [], [], []
             with WeightSync(srv.url) as sync:
                 for i in range(repeats):
                     for t in (arena.tensors() if name == "arena" else state).values():
                         t.mul_(-1.0)  # every weight changes each step
                     t0 = time.perf_counter()
-                    sync.run(source, weight_version=f"{name}-{i}")
+                    result = sync.run(source, weight_version=f"{name}-{i}")
                     totals.append(time.perf_counter() - t0)
+                    stages.append(result.timings)
                     copies.append(memcpy_seconds(dst, repeats=1))
+            best = stages[totals.index(min(totals))]
             out[f"{name}_sync_ms"] = {k: round(v * 1e3, 2) for k, v in best_median(totals).items()}
+            out[f"{name}_best_stages_ms"] = {k: round(v * 1e3, 2) for k, v in best.items()}
             out[f"{name}_memcpy_ms"] = round(min(copies) * 1e3, 3)
-    for name in ("state_dict", "arena"):
-        sync_ms, copy_ms = out[f"{name}_sync_ms"], out[f"{name}_memcpy_ms"]
-        # the sync beyond its bytes at copy speed
-        out[f"{name}_fixed_ms"] = {k: round(v - copy_ms, 2) for k, v in sync_ms.items()}
+            sync_ms, copy_ms = out[f"{name}_sync_ms"], out[f"{name}_memcpy_ms"]
+            # the sync beyond its bytes at copy speed
+            out[f"{name}_fixed_ms"] = {k: round(v - copy_ms, 2) for k, v in sync_ms.items()}
     return out
 
 

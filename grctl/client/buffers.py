@@ -3,9 +3,9 @@ per process, pre-faulted, and reused by every push.
 
 Fresh shared memory costs a page fault and a zeroed page per 4 KiB on first write (about
 262,144 faults per GiB: the first push into fresh pages ran 3.6x slower than one into touched
-pages). So a buffer is allocated once, its pages reserved with fallocate (about twice as fast as
-writing zeros through the mapping) and its page tables filled with MADV_POPULATE_WRITE where
-the kernel has it (zero_() where it does not), then kept for the process's later pushes: a
+pages). So a buffer is allocated once (torch reserves a new segment's pages with fallocate),
+its page tables filled with MADV_POPULATE_WRITE where the kernel has it (zero_() where it does
+not), then kept for the process's later pushes: a
 trainer that syncs every step pays for its buffers once. Only one push at a time uses the kept
 buffers; a concurrent one gets buffers of its own, dropped when it ends. `release()` gives the
 kept buffers back (their segments leave /dev/shm once no server maps them).
@@ -14,7 +14,6 @@ kept buffers back (their segments leave /dev/shm once no server maps them).
 from __future__ import annotations
 
 import ctypes
-import os
 import shutil
 import threading
 from collections.abc import Callable, Iterator
@@ -69,21 +68,10 @@ def shared_buffer(nbytes: int, prefault: bool = False) -> torch.Tensor:
 
 
 def _prefault(flat: torch.Tensor) -> None:
-    if flat.numel() == 0:
-        return
-    _, handle, _ = flat.untyped_storage()._share_filename_cpu_()  # already shared: its name
-    try:
-        fd = os.open("/dev/shm/" + os.fsdecode(handle).lstrip("/"), os.O_RDWR)
-    except OSError:
-        fd = None
-    if fd is not None:
-        try:
-            os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
-        except OSError as exc:
-            raise RuntimeError(f"No space left on device: {exc}") from exc
-        finally:
-            os.close(fd)
-    if not _populate(flat.data_ptr(), flat.numel()):
+    """Map every page now. torch already reserved them (it fallocates a new segment, about
+    twice as fast as writing zeros through the mapping); what is left is filling the page
+    tables, so that no later write faults."""
+    if flat.numel() and not _populate(flat.data_ptr(), flat.numel()):
         flat.zero_()
 
 

@@ -141,12 +141,16 @@ def push_buckets(
     # the bucket in flight and the one being staged: two buffers, kept for the process's
     # later pushes (client.buffers)
     in_place = getattr(source, "bucket_view", None)
-    if callable(in_place) and all(in_place(p) is not None for p in plans):
+    if callable(in_place) and all(_lies_on(in_place(p), device) for p in plans):
         _push_planned(source, plans, device, alive, None, workers, opts, on_bucket)
         return
     count = min(2, len(plans))
     with buffers.pool_for(max(p.nbytes for p in plans), device, count) as pool:
         _push_planned(source, plans, device, alive, pool, workers, opts, on_bucket)
+
+
+def _lies_on(flat: torch.Tensor | None, device: torch.device) -> bool:
+    return flat is not None and flat.device == device
 
 
 def _push_planned(source, plans, device, alive, pool, workers, opts, on_bucket) -> None:
