@@ -349,7 +349,9 @@ def big_part(out: dict, parts, ckpts: list[Path], args) -> None:
     nbytes = ensure_checkpoint(ckpts[0], seed=0)
     assert ensure_checkpoint(ckpts[1], seed=1) == nbytes
     flags = ("--allow-weight-update", "--model-path", str(ckpts[0]), "--device", "cpu")
-    with running_server(*flags, start_timeout=300) as srv:
+    env = {"OMP_WAIT_POLICY": "passive"} if args.omp_passive else None
+    out["server_omp_wait_policy"] = "passive" if args.omp_passive else "default"
+    with running_server(*flags, start_timeout=300, env=env) as srv:
         out["server_rss_anon_bytes_at_start"] = rss_anon_bytes(srv.proc.pid)
         if "window" in parts:
             out["window"] = window_part(srv, args.cycles)
@@ -370,6 +372,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=4, help="updates per part, alternating B, A")
     ap.add_argument("--cycles", type=int, default=200, help="empty sync windows")
     ap.add_argument("--bucket-mb", type=float, default=512)
+    passive = "start the 1 GB server with OMP_WAIT_POLICY=passive (docs/client.md)"
+    ap.add_argument("--omp-passive", action="store_true", help=passive)
     args = ap.parse_args()
     parts = PARTS if args.part == "all" else (args.part,)
     ckpts = [Path(args.dir), Path(args.dir_b)]
