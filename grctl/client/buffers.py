@@ -13,6 +13,7 @@ kept buffers back (their segments leave /dev/shm once no server maps them).
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import shutil
 import threading
@@ -159,3 +160,9 @@ def release() -> None:
     with _lock:
         for key in [k for k in _kept if k not in _busy]:
             del _kept[key]
+
+
+# At exit, not at interpreter teardown (which may never free them): a server that mapped one
+# keeps the sender's shm manager alive, so a segment still referenced here would stay in
+# /dev/shm until that server exits.
+atexit.register(release)

@@ -21,7 +21,9 @@ state dict (specs, fetch); its `plans` and `bucket_view` let the push skip stagi
 
 from __future__ import annotations
 
+import atexit
 import math
+import weakref
 
 import torch
 
@@ -63,6 +65,8 @@ class Arena:
                 staging.copy_into(view, given.fetch(e.name))
                 self._views[e.name] = view
         self.label = f"{len(self._views)} tensors in a shared-memory arena"
+        self._adopted: list[torch.Tensor] = []
+        _live.add(self)
 
     @classmethod
     def adopt(cls, model: torch.nn.Module, bucket_mb: float | None = None) -> Arena:
@@ -80,6 +84,7 @@ class Arena:
         arena = cls(unique, bucket_mb)
         for tensor in state.values():
             tensor.data = arena._views[owners[_identity(tensor)]]
+            arena._adopted.append(tensor)
         return arena
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -111,6 +116,26 @@ class Arena:
 
     def close(self) -> None:
         """A push's end: nothing to let go (the arena lives as long as its owner keeps it)."""
+
+    def release(self) -> None:
+        """Let the segment go: adopted parameters get empty data, the arena drops its views.
+        The segment leaves /dev/shm once nothing else (a view from `tensors()`) holds it."""
+        for tensor in self._adopted:
+            tensor.data = torch.empty(0, dtype=tensor.dtype)
+        self._adopted.clear()
+        self._views.clear()
+        self.flat = torch.empty(0, dtype=torch.uint8)
+
+
+_live: weakref.WeakSet[Arena] = weakref.WeakSet()
+
+
+@atexit.register
+def _release_all() -> None:
+    """At exit, not at interpreter teardown (which may never free it): a server that mapped the
+    segment keeps this process's shm manager alive, and with it any segment still held here."""
+    for arena in list(_live):
+        arena.release()
 
 
 def _identity(tensor: torch.Tensor) -> tuple:

@@ -5,6 +5,11 @@ server casts, and its checksums equal the trainer's tensors cast to bfloat16."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 
@@ -13,6 +18,7 @@ from grctl.rl.arena import Arena
 from grctl.weights.checker import tensor_sha256
 from tests.support.checkpoints import load_hf
 from tests.support.reference import hf_generate
+from tests.support.serverproc import REPO_ROOT
 from tests.support.weight_helpers import served_by_client, served_sha256
 
 pytestmark = pytest.mark.timeout(180)
@@ -66,3 +72,31 @@ def test_arena_pushed_in_place_and_cast_by_the_server(srv, http, checkpoint):
     bf16 = hf.to(torch.bfloat16)
     want = hf_generate(bf16, [5, 6, 7], 4)
     assert served_by_client(srv.url, [5, 6, 7], 4) == (want, "s1")
+
+
+TRAINER = """
+import os, sys
+from grctl.client import WeightSync
+from grctl.rl.arena import Arena
+from tests.support.checkpoints import load_hf
+hf = load_hf(sys.argv[2])
+with WeightSync(sys.argv[1]) as sync:
+    sync.run(hf.state_dict(), weight_version="kept")  # staged: the process keeps its buffers
+    arena = Arena.adopt(hf)
+    sync.run(arena, weight_version="arena")
+print(os.getpid())
+"""
+
+
+def test_a_trainer_that_exits_leaves_no_segment_while_the_server_lives(srv, checkpoint):
+    """The server stays connected to the trainer's shm manager, so whatever segment the
+    trainer still held at exit would stay in /dev/shm as long as the server: none does."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    cmd = [sys.executable, "-c", TRAINER, srv.url, str(checkpoint(seed=44))]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    pid = done.stdout.split()[-1]
+    deadline = time.monotonic() + 5
+    while left := [p for p in os.listdir("/dev/shm") if p.startswith(f"torch_{pid}_")]:
+        assert time.monotonic() < deadline, left
+        time.sleep(0.05)
