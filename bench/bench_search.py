@@ -4,7 +4,9 @@ a decode step at many requests (one set of ops per step for all requests).
 On the built-in GR model (the engine directly, no HTTP): `beam64` runs one prompt with beam 64,
 deterministic (T = 0) and stochastic (T = 1, Gumbel top-k without replacement), alternating, best
 of N and the median; `select` decodes R requests together and times, per decode step, the model
-(runner.decode) and the selection (beam_select.step) of all of them. Prints one JSON object.
+(runner.decode) and the selection (beam_select.step) of all of them; `select_synthetic` times
+the selection alone on random logits (no model: the figure least moved by a loaded machine, best
+of --repeats searches, one torch thread). Prints one JSON object.
 
     python bench/bench_search.py [--repeats 5] [--requests 128] [--width 1] [--device cuda]
 """
@@ -26,6 +28,7 @@ from grctl.engine.config import EngineConfig  # noqa: E402
 from grctl.engine.engine import Engine  # noqa: E402
 from grctl.engine.request import GenerateRequest, SamplingParams  # noqa: E402
 from grctl.engine.search import beam_select  # noqa: E402
+from grctl.engine.search.beam import Beams  # noqa: E402
 from grctl.weights.loader import load_model  # noqa: E402
 
 
@@ -101,6 +104,39 @@ def select_share(eng: Engine, num: int, width: int, new_tokens: int, stochastic:
     }
 
 
+def select_synthetic(num: int, width: int, repeats: int, vocab: int = 1024, steps: int = 5) -> dict:
+    """beam_select.step alone for `num` requests of `width` beams on random logits [rows, vocab],
+    ms per decode step (the prefill step left out), best of `repeats` searches."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out = {"requests": num, "width": width, "vocab": vocab, "threads": 1}
+    try:
+        for temp in (0.0, 1.0):
+            best = float("inf")
+            for r in range(repeats):
+                sp = [
+                    SamplingParams(n=width, max_new_tokens=steps, temperature=temp, seed=i)
+                    for i in range(num)
+                ]
+                beams = [Beams(p, (), vocab, torch.device("cpu")) for p in sp]
+                gen = torch.Generator().manual_seed(r)
+                total = 0.0
+                for step in range(steps):
+                    blocks, row = [], 0
+                    for b in beams:
+                        blocks.append(beam_select.Block(b, row, b.num_rows))
+                        row += b.num_rows
+                    logits = torch.randn(row, vocab, generator=gen) * 3
+                    t = time.perf_counter()
+                    beam_select.step(logits, blocks)
+                    total += (time.perf_counter() - t) if step else 0.0
+                best = min(best, total / (steps - 1))
+            out["stochastic" if temp else "deterministic"] = {"select_ms_per_step": 1e3 * best}
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=5)
@@ -122,6 +158,7 @@ def main() -> None:
             select_share(eng, args.requests, args.width, 5, stochastic=False),
             select_share(eng, args.requests, args.width, 5, stochastic=True),
         ],
+        "select_synthetic": select_synthetic(args.requests, max(args.width, 2), 5 * args.repeats),
     }
     print(json.dumps(out, indent=1))
 
