@@ -206,3 +206,17 @@ class MemoryResponse(Struct, kw_only=True):
     success: bool = True
     message: str = ""
     released: list[str] = msgspec.field(default_factory=list)  # still released after the call
+
+
+class PullWeightsBody(Struct, kw_only=True):
+    """/pull_weights (miles' disk-delta name): apply `source_dir/weight_v{target_version:06d}`,
+    a delta against the served weights, in place. grctl keeps no local checkpoint copy."""
+
+    source_dir: str | None = None
+    target_version: Annotated[int, Meta(ge=0, le=999_999)] | None = None
+    local_checkpoint_dir: str | None = None  # miles sends it; grctl refuses it (see the docs)
+    weight_version: Version = None  # the label after the delta; default str(target_version)
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    catalog_path: str | None = None
+    token_step: int | str | None = None

@@ -35,6 +35,7 @@ from grctl.server.metrics import Metrics, MetricsMiddleware
 from grctl.server.openapi import openapi_config, swagger_assets
 from grctl.server.router import router_membership
 from grctl.server.routes.catalog import catalog_routes
+from grctl.server.routes.delta import delta_router
 from grctl.server.routes.generate import generate_routes
 from grctl.server.routes.info import info_routes
 from grctl.server.routes.loads import loads_routes
@@ -99,6 +100,7 @@ def create_app(engine: Any, config: ServeConfig, tokenizer: Any | None = None) -
             *loads_routes,
             weight_router,
             update_router,
+            delta_router,
             memory_router,
             *catalog_routes,
             *openai_routes,

@@ -43,6 +43,7 @@ POST_ROUTES = [
     "/weights_checker",
     "/update_weights_from_disk",
     "/update_weights_from_tensor",
+    "/pull_weights",
     "/init_weights_update_group",
     "/update_weights_from_distributed",
     "/destroy_weights_update_group",
@@ -303,6 +304,35 @@ def cases(root: Path) -> list[tuple[str, str, object]]:
             "POST",
             "/update_weights_from_disk",
             {"model_path": str(root / "weights" / "base"), "load_format": "gguf"},
+        ),
+        # /pull_weights (delta syncs): types, escapes, missing or foreign versions
+        ("POST", "/pull_weights", {"source_dir": 42, "target_version": 1}),
+        ("POST", "/pull_weights", {"source_dir": str(root / "weights"), "target_version": -1}),
+        ("POST", "/pull_weights", {"source_dir": str(root / "weights"), "target_version": 2**70}),
+        ("POST", "/pull_weights", {"source_dir": str(root / "weights"), "target_version": "1"}),
+        ("POST", "/pull_weights", {"source_dir": "/etc", "target_version": 1}),
+        (
+            "POST",
+            "/pull_weights",
+            {"source_dir": str(root / "weights" / ".."), "target_version": 1},
+        ),
+        ("POST", "/pull_weights", {"source_dir": "weights\x00", "target_version": 1}),
+        ("POST", "/pull_weights", {"source_dir": str(root / "weights"), "target_version": 1}),
+        (
+            "POST",
+            "/pull_weights",
+            {"source_dir": str(root / "weights" / "base"), "target_version": 0},
+        ),
+        (
+            "POST",
+            "/pull_weights",
+            {"local_checkpoint_dir": "/x", "source_dir": "/y", "target_version": 0},
+        ),
+        ("POST", "/pull_weights", {"target_version": 1}),
+        (
+            "POST",
+            "/pull_weights",
+            {"source_dir": str(root / "weights"), "target_version": 1, "weight_version": {}},
         ),
         # grctl's sampling fields inside sampling_params.custom_params (what smg passes on)
         ("POST", "/generate", {"input_ids": [1], "sampling_params": {"custom_params": "x"}}),
@@ -927,6 +957,9 @@ WORST = {
         ),
     ),
     "POST /update_weights_from_tensor": _w(None, None, setup=_tensor),
+    "POST /pull_weights": _w(  # no delta published here: a 404 (tests/e2e/test_delta_sync.py)
+        "POST", "/pull_weights", accepted=False, json={"source_dir": "/nope", "target_version": 1}
+    ),
     "POST /init_weights_update_group": _w(
         "POST", "/init_weights_update_group", accepted=False, json={"world_size": 1}
     ),

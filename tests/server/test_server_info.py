@@ -162,7 +162,7 @@ def test_parallelism_config(http):
 
 @pytest.mark.parametrize(
     "path",
-    ["/get_remote_instance_transfer_engine_info", "/pull_weights", "/load_lora_adapter",
+    ["/get_remote_instance_transfer_engine_info", "/load_lora_adapter",
      "/update_weights_from_ipc", "/send_weights_to_remote_instance"],
 )  # fmt: skip
 def test_transports_grctl_lacks_are_501_naming_what_to_use(http, path):

@@ -28,11 +28,6 @@ LORA = (
     "merge the adapter into the base weights and push those with /update_weights_from_tensor "
     "or /update_weights_from_distributed",
 )
-PULL = (
-    "grctl does not pull checkpoints; /pull_weights is a slime/miles patch of SGLang",
-    "write the checkpoint where the server reads it and POST /update_weights_from_disk; in "
-    "miles, use --update-weight-transfer-mode broadcast instead of disk-delta",
-)
 IPC = (
     "grctl has no ZMQ IPC weight transport",
     "send CUDA IPC handles, or shared-memory tensors, with /update_weights_from_tensor",
@@ -47,7 +42,6 @@ UNSUPPORTED: dict[str, tuple[str, str]] = {
     "/load_lora_adapter_from_tensors": LORA,
     "/load_lora_adapter_from_distributed": LORA,
     "/unload_lora_adapter": LORA,
-    "/pull_weights": PULL,
     "/update_weights_from_ipc": IPC,
 }
 

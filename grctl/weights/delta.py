@@ -1,0 +1,261 @@
+"""Delta weight syncs: the changed bytes of a step, applied onto the served weights.
+
+A delta is a version directory, the layout miles' disk-delta transport publishes:
+
+    SOURCE/weight_v000007/model.safetensors.index.json
+        {"metadata": {"version": "000007", "base_version": "000006", "delta_encoding": "xor",
+                      "compression_format": "none", "checksum_format": "sha256"},
+         "weight_map": {"model.norm.weight": "model-00000-of-00001.safetensors", ...}}
+    SOURCE/weight_v000007/model-00000-of-00001.safetensors
+        one uint8 tensor per changed HF tensor (its encoded delta); the file's metadata maps
+        each name to the checksum of that tensor's complete new bytes
+
+Encodings are byte-wise over the tensor's bytes in the served dtype: `xor` is new ^ base (as
+long as the tensor; applying it twice reverts it), `overwrite` is a little-endian u4 count, that
+many u4 byte positions, then the new byte at each (idempotent). Compression: `none`, or `zstd`
+where the zstandard package is installed. Checksums: `sha256`, `adler32`, and `blake3` or
+`xxh3-128` where their packages are installed.
+
+Torn-sync rules: the delta names its base (`base_version`), and it is refused (409) unless the
+served weights all carry that label; every tensor is decoded into a copy of the served tensor
+and checked against its final-state checksum before anything is written, so a bad delta (a
+wrong base, a corrupt file, positions out of range) changes nothing. The new tensors then go
+through the one sink (apply.py) like any other source.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import zlib
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from grctl.errors import Conflict, GrctlError, NotFound, ValidationError
+from grctl.weights import apply
+from grctl.weights.mapping import resolve
+
+if TYPE_CHECKING:
+    from grctl.weights.updater import UpdateOutcome, WeightUpdater
+
+INDEX = "model.safetensors.index.json"
+ENCODINGS = ("xor", "overwrite")
+MAX_INDEX_BYTES = 16 << 20
+
+
+def version_dir(source_dir: str | Path, version: int) -> Path:
+    return Path(source_dir) / f"weight_v{int(version):06d}"
+
+
+def checksum(algorithm: str, data: np.ndarray) -> str:
+    buf = memoryview(np.ascontiguousarray(data)).cast("B")
+    if algorithm == "sha256":
+        return hashlib.sha256(buf).hexdigest()
+    if algorithm == "adler32":
+        return f"{zlib.adler32(buf):08x}"
+    try:
+        if algorithm == "blake3":
+            import blake3
+
+            return blake3.blake3(buf).hexdigest()
+        if algorithm == "xxh3-128":
+            import xxhash
+
+            return xxhash.xxh3_128(buf).hexdigest()
+    except ImportError as exc:
+        raise ValidationError(
+            f"checksum_format {algorithm!r} needs the {exc.name!r} package on the server",
+            hint="install it, or publish with sha256 or adler32",
+        ) from exc
+    raise ValidationError(
+        f"unknown checksum_format {algorithm!r}",
+        hint="use sha256, adler32, blake3 or xxh3-128",
+    )
+
+
+def encode(encoding: str, new: np.ndarray, old: np.ndarray) -> np.ndarray | None:
+    """The delta of one tensor's bytes (uint8 arrays of one length); None when unchanged."""
+    if encoding == "xor":
+        diff = np.bitwise_xor(new, old)
+        return diff if diff.any() else None
+    if encoding == "overwrite":
+        pos = np.flatnonzero(new != old).astype("<u4")
+        if not pos.size:
+            return None
+        head = np.array([pos.size], "<u4").view(np.uint8)
+        return np.concatenate([head, pos.view(np.uint8), new[pos]])
+    raise ValidationError(f"unknown delta_encoding {encoding!r}", hint="use xor or overwrite")
+
+
+def decode(name: str, encoding: str, payload: np.ndarray, base: np.ndarray) -> np.ndarray:
+    """`base` (uint8, not modified) with one tensor's delta applied: a new array."""
+    nbytes = base.size
+    if encoding == "xor":
+        if payload.size != nbytes:
+            raise ValidationError(
+                f"delta of {name!r} has {payload.size} bytes; an xor delta is as long as the "
+                f"served tensor ({nbytes} bytes in the served dtype)"
+            )
+        return np.bitwise_xor(base, payload)
+    if payload.size < 4:
+        raise ValidationError(f"overwrite delta of {name!r} is shorter than its count")
+    count = int(payload[:4].view("<u4")[0])
+    if count > nbytes or payload.size != 4 + 5 * count:
+        raise ValidationError(
+            f"overwrite delta of {name!r} is malformed: {payload.size} bytes for {count} "
+            f"positions (a count at most {nbytes}, then 4 + 5 * count bytes in all)"
+        )
+    pos = payload[4 : 4 + 4 * count].view("<u4")
+    if count and int(pos.max()) >= nbytes:
+        raise ValidationError(
+            f"overwrite delta of {name!r} writes byte {int(pos.max())}; the served tensor has "
+            f"{nbytes} bytes"
+        )
+    out = base.copy()
+    out[pos] = payload[4 + 4 * count :]
+    return out
+
+
+def _decompress(name: str, fmt: str, raw: np.ndarray, limit: int) -> np.ndarray:
+    if fmt in ("none", None):
+        return raw
+    if fmt != "zstd":
+        raise ValidationError(f"unknown compression_format {fmt!r}", hint="use none or zstd")
+    try:
+        import zstandard
+    except ImportError as exc:
+        raise ValidationError(
+            "compression_format 'zstd' needs the zstandard package on the server",
+            hint="install zstandard, or publish uncompressed (compression_format none)",
+        ) from exc
+    try:
+        out = zstandard.ZstdDecompressor().decompress(raw.tobytes(), max_output_size=limit)
+    except zstandard.ZstdError as exc:
+        raise ValidationError(f"delta of {name!r} is not valid zstd (or too large): {exc}") from exc
+    return np.frombuffer(out, dtype=np.uint8)
+
+
+def read_index(vdir: Path) -> dict:
+    path = vdir / INDEX
+    if not path.is_file():
+        raise NotFound(
+            f"no delta at {str(vdir)!r} ({INDEX} missing)",
+            hint="publish the version first (grctl.client.delta.DeltaPublisher)",
+        )
+    if path.stat().st_size > MAX_INDEX_BYTES:
+        raise ValidationError(f"{INDEX} of {str(vdir)!r} is over {MAX_INDEX_BYTES} bytes")
+    try:
+        index = json.loads(path.read_bytes())
+        meta, weight_map = index["metadata"], index["weight_map"]
+        assert isinstance(meta, dict) and isinstance(weight_map, dict)
+        assert all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items())
+    except (ValueError, KeyError, TypeError, AssertionError) as exc:
+        raise ValidationError(
+            f"{INDEX} of {str(vdir)!r} is not a delta index (metadata and weight_map)"
+        ) from exc
+    if meta.get("delta_encoding") not in ENCODINGS:
+        raise ValidationError(
+            f"delta_encoding {meta.get('delta_encoding')!r} is not one of {list(ENCODINGS)}"
+        )
+    for f in set(weight_map.values()):
+        if "/" in f or "\\" in f or f.startswith(".") or not f.endswith(".safetensors"):
+            raise ValidationError(f"weight_map names file {f!r}: a .safetensors file in the dir")
+    return index
+
+
+def same_version(a: object, b: object) -> bool:
+    """Labels as miles writes them ('000006') and as an update sets them ('6') are one."""
+    a, b = str(a), str(b)
+    if a == b:
+        return True
+    return a.isdigit() and b.isdigit() and int(a) == int(b)
+
+
+def plan_delta(updater: WeightUpdater, vdir: Path):
+    """Inside the update's turn: check the base, decode every tensor into a copy, verify it,
+    plan the writes. Returns (writes, new tensors by name); raises before any write."""
+    from safetensors import safe_open
+
+    index = read_index(vdir)
+    meta = index["metadata"]
+    versions = updater.versions
+    base = str(meta.get("base_version"))
+    if versions.is_mixed or not updater.engine.is_weights_consistent:
+        raise Conflict(
+            "the served weights are mixed or torn: no delta has them as its base",
+            hint="sync a whole checkpoint first (update_weights_from_disk or a full push)",
+        )
+    if not same_version(base, versions.current):
+        raise Conflict(
+            f"the delta's base is version {base!r}; the served weights are {versions.current!r}",
+            hint="publish a delta against the served version, or sync a whole checkpoint",
+        )
+    cfg, params = updater.model.config, apply.live_parameters(updater.model)
+    algorithm, enc = str(meta.get("checksum_format")), meta["delta_encoding"]
+    new: dict[str, torch.Tensor] = {}
+    by_file: dict[str, list[str]] = {}
+    for name, f in index["weight_map"].items():
+        by_file.setdefault(f, []).append(name)
+    for f, names in sorted(by_file.items()):
+        path = vdir / f
+        if not path.is_file():
+            raise ValidationError(f"delta file {str(path)!r} is missing")
+        try:
+            with safe_open(str(path), framework="np") as st:
+                sums = st.metadata() or {}
+                for name in names:
+                    new[name] = _apply_one(st, sums, name, enc, algorithm, meta, cfg, params)
+        except GrctlError:
+            raise
+        except Exception as exc:  # safetensors' own errors: a corrupt or foreign file
+            raise ValidationError(f"delta file {str(path)!r} is unreadable: {exc}") from exc
+    writes = apply.plan_against(cfg, params, apply.specs_of(new.items()), require_full=False)
+    return writes, new
+
+
+def _apply_one(st, sums, name, enc, algorithm, meta, cfg, params) -> torch.Tensor:
+    target = resolve(name, cfg)
+    if target is None or target.param_name not in params:
+        raise ValidationError(f"delta names {name!r}: not a tensor of the served model")
+    param = params[target.param_name]
+    cur = param[target.row_start : target.row_end] if target.is_shard else param
+    base = cur.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy()
+    if name not in st.keys():
+        raise ValidationError(f"delta file has no tensor {name!r} its index names")
+    sl = st.get_slice(name)
+    if sl.get_dtype() not in ("U8", "u8", "uint8") or len(sl.get_shape()) != 1:
+        raise ValidationError(f"delta of {name!r} must be a 1-D uint8 tensor")
+    if sl.get_shape()[0] > 4 + 5 * base.size:
+        raise ValidationError(f"delta of {name!r} is larger than any delta of its tensor")
+    limit = 4 + 5 * base.size
+    payload = _decompress(name, meta.get("compression_format"), st.get_tensor(name), limit)
+    out = decode(name, enc, payload, base)
+    if name not in sums:
+        raise ValidationError(f"delta of {name!r} carries no checksum of its new state")
+    if checksum(algorithm, out) != sums[name]:
+        raise Conflict(
+            f"tensor {name!r} after the delta does not match its checksum: the delta was made "
+            "against other weights than the served ones, or it is corrupt",
+            hint="nothing was written; sync a whole checkpoint, then deltas against it",
+        )
+    return torch.from_numpy(out).view(cur.dtype).reshape(cur.shape)
+
+
+def update_from_delta(
+    updater: WeightUpdater, vdir: Path, *, weight_version: str | None, **options
+) -> UpdateOutcome:
+    """Apply one delta version through the updater (its turn, exclusive section, labels)."""
+    held: dict[str, torch.Tensor] = {}
+
+    def validate():
+        writes, new = plan_delta(updater, vdir)
+        held.update(new)
+        return writes
+
+    # is_full: the delta's version is the whole model (the tensors it leaves are unchanged in it)
+    return updater.run(
+        validate, held.__getitem__, weight_version=weight_version, is_full=True, **options
+    )
