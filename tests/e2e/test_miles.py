@@ -275,7 +275,7 @@ def test_rollout_generate_and_abort(srv, ckpts):
     assert post(srv.url, "/abort_request", {"abort_all": True}).status_code == 200
 
 
-def test_p2p_lora_and_disk_delta_are_refused_naming_what_to_use(srv):
+def test_p2p_lora_and_a_local_checkpoint_pull_are_refused_naming_what_to_use(srv):
     """Transports grctl lacks answer 501 with a JSON body that says what works instead."""
     url = srv.url
     # P2P (p2p_transfer_utils.py L215-238): the RDMA session, then the rank's layout.
