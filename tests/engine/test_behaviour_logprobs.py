@@ -361,3 +361,23 @@ def test_sampling_mask_cap(pair):
     assert wide.beams[0].mask_overflow and wide.beams[0].sampling_mask is None
     assert not narrow.beams[0].mask_overflow
     assert [len(m) for m in narrow.beams[0].sampling_mask] == [16, 16]
+
+
+def test_original_and_behaviour_requests_batched_together(pair, catalog_file):
+    """One step holding a request with return_original_logprob and one without, both with top
+    logprobs (of different widths): each gets its own kind, as when alone."""
+    hf, ours = pair
+    eng = engine_of(ours, catalog_file)
+    kw = dict(max_new_tokens=3, temperature=0.8, top_k=2, seed=6)
+    orig, own = run_requests(
+        eng, [request(n=2, top=5, return_original_logprob=True, **kw), request(n=3, top=2, **kw)]
+    )
+    for beam in orig.beams:
+        ref = behaviour(hf, PROMPT, beam.output_ids)
+        for got, step in zip(beam.output_top_logprobs, ref, strict=True):
+            values, ids = step.topk(5)
+            assert [t for _, t in got] == ids.tolist()
+            assert [v for v, _ in got] == pytest.approx(values.tolist(), abs=1e-5)
+    for beam in own.beams:
+        ref = behaviour(hf, PROMPT, beam.output_ids, temperature=0.8, catalog=True, top_k=2)
+        check_beam(beam, ref, top_k=2)
