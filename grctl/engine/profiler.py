@@ -234,7 +234,10 @@ def _export(prof: profile, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.partial.json.gz")  # renamed whole: never seen half
     try:
-        prof.export_chrome_trace(str(partial))
+        try:  # torch's Python writer: the GIL is let go between events (the C++ one holds it)
+            prof.export_chrome_trace(str(partial), use_python_export=True)
+        except TypeError:  # a torch without it
+            prof.export_chrome_trace(str(partial))
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
