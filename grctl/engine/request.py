@@ -32,6 +32,10 @@ class TextOptions:
     item_finish_reason: str = "stop"  # a completed catalog item: "stop" or "item_complete"
     # with return_sampling_mask: "selected" (the chosen token's logprob) or "support" (each)
     sampling_logprobs_mode: str = "selected"
+    # the forms in which the reply spells each token's sampling support (when the request had it
+    # computed): SGLang's output_token_sampling_mask fields, and slime's flattened top-p ids
+    sampling_mask: bool = True
+    top_p_token_ids: bool = False
 
 
 @dataclass(frozen=True)

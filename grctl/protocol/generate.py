@@ -147,6 +147,10 @@ class BeamMetaInfo(Struct, kw_only=True, omit_defaults=True):
     output_token_sampling_mask: list[list[int]] | None = None
     output_token_sampling_logprobs: list[Any] | None = None
     output_token_sampling_mask_length: int | None = None
+    # with sampling_params.custom_params.return_top_p_token_ids (slime's top-p replay): every
+    # token's support flattened, and its offsets (token t's: ids[offsets[t]:offsets[t + 1]])
+    top_p_token_ids: list[int] | None = None
+    top_p_token_offsets: list[int] | None = None
 
 
 class StrictBeamMetaInfo(BeamMetaInfo, kw_only=True, omit_defaults=True):
@@ -197,6 +201,9 @@ class MetaInfo(Struct, kw_only=True):
     output_token_sampling_mask: list[list[int]] | None = None
     output_token_sampling_logprobs: list[Any] | None = None
     output_token_sampling_mask_length: int | None = None
+    # with custom_params.return_top_p_token_ids: the top beam's (slime's keys, as above)
+    top_p_token_ids: list[int] | None = None
+    top_p_token_offsets: list[int] | None = None
 
 
 class StrictMetaInfo(MetaInfo, kw_only=True, omit_defaults=True):

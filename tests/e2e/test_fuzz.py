@@ -113,6 +113,9 @@ def tensor_body(entry, fmt="flattened_bucket") -> dict:
 
 
 DEEP = "[" * 100_000 + "]" * 100_000
+TOP_P_IDS = "return_top_p_token_ids"
+DEEP_TOP_P_IDS = f'{{"input_ids": [1], "sampling_params": {{"custom_params": {{"{TOP_P_IDS}": '
+DEEP_TOP_P_IDS += DEEP + "}}}"
 
 
 def cases(root: Path) -> list[tuple[str, str, object]]:
@@ -402,6 +405,22 @@ def cases(root: Path) -> list[tuple[str, str, object]]:
                 "sampling_params": [{}, {"custom_params": {"frequency_penalty": 1}}],
             },
         ),
+        # slime's custom_params.return_top_p_token_ids: a bool, nothing else
+        *(
+            (
+                "POST",
+                "/generate",
+                {"input_ids": [1], "sampling_params": {"custom_params": {TOP_P_IDS: bad}}},
+            )
+            for bad in ("true", 1, None, [True], {"x": True}, 10**30)
+        ),
+        ("POST", "/generate", DEEP_TOP_P_IDS),
+        ("POST", "/generate", {"input_ids": [1], "sampling_params": {TOP_P_IDS: True}}),
+        (
+            "POST",
+            "/submit",
+            {"input_ids": [1], "sampling_params": {"custom_params": {TOP_P_IDS: True, "z": 1}}},
+        ),
         ("POST", "/submit", {"input_ids": [1], "sampling_params": {"custom_params": {"q": 0}}}),
         (
             "POST",
@@ -610,6 +629,7 @@ CUSTOM_KEYS = [
     "stop_token_ids",
     "custom_params",
     "frequency_penalty",
+    TOP_P_IDS,
     "bogus",
 ]
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import itertools
 import json
+import math
 import random
 import time
 from argparse import Namespace
@@ -20,7 +22,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import torch
 
+from tests.support.checkpoints import load_hf
 from tests.support.peers import peer_package
 
 pytestmark = pytest.mark.timeout(240)
@@ -226,3 +230,72 @@ def test_partial_rollout_aborted_mid_item_resumes_into_the_same_item(name, serve
     assert resumed.tokens == whole.tokens  # the unaborted run's item
     assert resumed.response_length == DEPTH == len(resumed.rollout_log_probs)
     assert resumed.rollout_log_probs == pytest.approx(whole.rollout_log_probs, abs=1e-4)
+
+
+def top_p_support(
+    hf, prompt: list[int], response: list[int], temperature: float, top_p: float, allowed
+) -> list[tuple[set[int], set[int]]]:
+    """The test's own top-p support of each response token from transformers' logits: the
+    tokens allowed (allowed(prefix) -> ids, or None: the vocabulary), tempered, renormalised
+    over those, kept while the mass before a token is at most top_p. Per token (sure, unsure):
+    unsure are the tokens whose mass before lies within 1e-5 of top_p (float32 on the server)."""
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1].double()
+    out = []
+    for t, row in enumerate(logits):
+        x = row / temperature
+        ids = allowed(response[:t])
+        if ids is not None:
+            keep = torch.zeros_like(x, dtype=torch.bool)
+            keep[list(ids)] = True
+            x = x.masked_fill(~keep, -math.inf)
+        probs, order = torch.softmax(x, -1).sort(descending=True)
+        before = probs.cumsum(0) - probs
+        live = probs > 0
+        sure = order[live & (before <= top_p - 1e-5)].tolist()
+        unsure = order[live & ((before - top_p).abs() < 1e-5)].tolist()
+        out.append((set(sure), set(unsure)))
+    return out
+
+
+@pytest.mark.parametrize("use_catalog", [False, True])
+def test_slime_top_p_replay_gets_each_tokens_support(served, tmp_path, use_catalog):
+    """slime with --rollout-top-p below 1 (its custom_params.return_top_p_token_ids): its own
+    Sample update stores the reply's top_p_token_ids / offsets, its own length checks hold, and
+    each token's kept ids are the top-p support of transformers' logits (under the catalog: of
+    the items' next tokens)."""
+    srv, ckpt, items = served
+    temperature, top_p = 0.8, 0.7
+
+    def children(prefix: list[int]) -> set[int] | None:
+        if not use_catalog:
+            return None
+        return {path[len(prefix)] for path in items if list(path[: len(prefix)]) == prefix}
+
+    with trainer("slime", tmp_path, srv, ckpt) as t:
+        t.args.rollout_temperature, t.args.rollout_top_p = temperature, top_p
+        assert t.rollout.GenerateState(t.args).sampling_params["custom_params"] == {
+            "return_top_p_token_ids": True
+        }
+
+        async def flow(t):
+            extra = {"use_catalog": use_catalog}
+            return [await generate(t, t.Sample(prompt=PROMPT, index=i), extra) for i in range(2)]
+
+        samples = run(t, flow)
+    hf = load_hf(ckpt)
+    for sample in samples:
+        response = sample.tokens[len(PROMPT_IDS) :]
+        ids = sample.rollout_top_p_token_ids.tolist()
+        offsets = sample.rollout_top_p_token_offsets.tolist()
+        assert len(offsets) == sample.response_length + 1 == len(response) + 1  # slime's checks
+        assert offsets[0] == 0 and offsets[-1] == len(ids)
+        if use_catalog:
+            assert tuple(response) in items
+        ref = top_p_support(hf, PROMPT_IDS, response, temperature, top_p, children)
+        for i, (tok, (sure, unsure)) in enumerate(zip(response, ref, strict=True)):
+            kept = ids[offsets[i] : offsets[i + 1]]
+            assert len(set(kept)) == len(kept) and tok in kept
+            assert sure <= set(kept) <= sure | unsure, (i, sorted(kept), sorted(sure))
+        if not use_catalog:  # the vocabulary's support, not a token or two
+            assert max(b - a for a, b in itertools.pairwise(offsets)) > 8

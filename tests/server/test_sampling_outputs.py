@@ -15,6 +15,7 @@ from tests.support.checkpoints import load_hf
 pytestmark = pytest.mark.timeout(120)
 
 PROMPT = [1, 2, 3, 4, 9]
+_TOP_P_IDS = {"custom_params": {"return_top_p_token_ids": True}}
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +117,35 @@ def test_return_sampling_mask_in_sglangs_shape(http, hf):
     assert greedy["output_token_sampling_logprobs"] == [0.0, 0.0]
 
 
+def test_top_p_token_ids_are_each_beams_support_flattened(http, hf):
+    """custom_params.return_top_p_token_ids (slime's): meta_info.top_p_token_ids and offsets,
+    the top beam's and every beam's, without the sampling-mask fields unless asked too."""
+    top_p_ids = {"custom_params": {"return_top_p_token_ids": True}}
+    sp = {"max_new_tokens": 3, "temperature": 1.0, "top_k": 4, "ignore_eos": True, **top_p_ids}
+    for n in (1, 2):
+        meta = gen(http, {**sp, "n": n, "seed": 5})
+        assert "output_token_sampling_mask" not in meta
+        assert len(meta["beam_results"]) == n
+        for where in (meta, *(b["meta_info"] for b in meta["beam_results"])):
+            assert "output_token_sampling_mask" not in where
+        for b in meta["beam_results"]:
+            ids, info = b["output_ids"], b["meta_info"]
+            ref = [step.topk(4).indices.tolist() for step in top_k_logprobs(hf, ids, 1.0, 4)]
+            assert info["top_p_token_ids"] == [t for r in ref for t in r]
+            assert info["top_p_token_offsets"] == [0, 4, 8, 12]
+        top = meta["beam_results"][0]["meta_info"]
+        assert meta["top_p_token_ids"] == top["top_p_token_ids"]
+        assert meta["top_p_token_offsets"] == top["top_p_token_offsets"]
+    both = gen(http, {**sp, "seed": 5}, return_sampling_mask=True)
+    masks = both["output_token_sampling_mask"]
+    assert both["top_p_token_ids"] == [t for m in masks for t in m]
+    greedy = gen(http, {"max_new_tokens": 2, **top_p_ids})  # the chosen token alone
+    assert greedy["top_p_token_ids"] == greedy["beam_results"][0]["output_ids"]
+    assert greedy["top_p_token_offsets"] == [0, 1, 2]
+    off = gen(http, {**sp, "custom_params": {"return_top_p_token_ids": False}})
+    assert "top_p_token_ids" not in off and "output_token_sampling_mask" not in off
+
+
 @pytest.mark.parametrize(
     ("body", "word"),
     [
@@ -127,6 +157,16 @@ def test_return_sampling_mask_in_sglangs_shape(http, hf):
         (
             {"return_sampling_mask": True, "sampling_params": {"temperature": 1.0}},
             "sampling-mask-max-tokens",
+        ),
+        (
+            {"sampling_params": {"temperature": 1.0, "top_p": 0.999, **_TOP_P_IDS}},
+            "sampling-mask-max-tokens",
+        ),
+        ({"sampling_params": {"custom_params": {"return_top_p_token_ids": 1}}}, "true or false"),
+        ({"sampling_params": {"custom_params": {"return_top_p_token_ids": "true"}}}, "true or"),
+        (
+            {"sampling_params": {"custom_params": {"return_top_p_token_ids": True, "x": 1}}},
+            "'x'",
         ),
     ],
 )

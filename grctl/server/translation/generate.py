@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from grctl.server.translation.sampling import (
     check_body,
     sampling_of,
     text_options_of,
+    wants_top_p_token_ids,
     with_custom_params,
 )
 
@@ -107,7 +109,9 @@ def to_requests(
     detokenize = tokenizer.decode if tokenizer is not None else None
     reqs = []
     for row, sp, rid, start in zip(rows, params, rids, starts, strict=True):
-        sp = with_custom_params(sp or SamplingParamsBody())
+        sp = sp or SamplingParamsBody()
+        top_p_ids = wants_top_p_token_ids(sp)
+        sp = with_custom_params(sp)
         reqs.append(
             GenerateRequest(
                 input_ids=tuple(row),
@@ -118,9 +122,9 @@ def to_requests(
                 # SGLang ignores it without return_logprob
                 logprob_start_len=start if body.return_logprob else -1,
                 return_original_logprob=body.return_original_logprob,
-                return_sampling_mask=body.return_sampling_mask,
+                return_sampling_mask=body.return_sampling_mask or top_p_ids,
                 detokenize=detokenize,
-                text=text_options_of(body, sp),
+                text=text_options_of(body, sp, top_p_ids),
             )
         )
     if parallel_sampling and any(is_parallel(r) for r in reqs):
@@ -247,8 +251,9 @@ def _input_entries(result: GenerateResult, tokenizer: Any | None):
 
 
 def _mask_fields(b: BeamResult | None, opts: TextOptions) -> dict:
-    """SGLang's sampling-mask fields of one beam: per token the support and the chosen token's
-    log-probability ("selected") or the support's ("support"); {} when not asked."""
+    """The sampling-support fields of one beam: SGLang's sampling mask (per token the support
+    and the chosen token's log-probability, "selected", or the support's, "support") and
+    slime's top-p ids, each when asked; {} when neither was."""
     if b is None or (b.sampling_mask is None and not b.mask_overflow):
         return {}
     if b.mask_overflow:
@@ -257,6 +262,9 @@ def _mask_fields(b: BeamResult | None, opts: TextOptions) -> dict:
             hint="lower top_k (or top_p) to narrow the support, or raise the server's "
             "--sampling-mask-max-tokens",
         )
+    fields = _top_p_fields(b.sampling_mask) if opts.top_p_token_ids else {}
+    if not opts.sampling_mask:
+        return fields
     if opts.sampling_logprobs_mode == "support":
         values: list = b.sampling_mask_logprobs
     else:
@@ -267,9 +275,20 @@ def _mask_fields(b: BeamResult | None, opts: TextOptions) -> dict:
             )
         ]
     return {
+        **fields,
         "output_token_sampling_mask": b.sampling_mask,
         "output_token_sampling_logprobs": values,
         "output_token_sampling_mask_length": len(b.sampling_mask),
+    }
+
+
+def _top_p_fields(masks: list[list[int]]) -> dict:
+    """slime's top-p replay (its patched SGLang's meta_info keys): every token's support,
+    flattened, and offsets from 0, one more than the tokens (token t's: ids[off[t]:off[t + 1]]).
+    Plain JSON lists; slime's reader also takes the patch's base64 int32."""
+    return {
+        "top_p_token_ids": [t for mask in masks for t in mask],
+        "top_p_token_offsets": [0, *itertools.accumulate(map(len, masks))],
     }
 
 

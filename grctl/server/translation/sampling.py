@@ -79,6 +79,23 @@ def check_body(body: GenerateBody) -> None:
 # does not know (beam_width, use_catalog, exclude_item_ids, length_penalty, ...).
 CUSTOM_FIELDS = frozenset(SamplingParamsBody.__struct_fields__) - set(_NEUTRAL) - {"custom_params"}
 _DEFAULTS = SamplingParamsBody()
+# the one foreign key custom_params may carry: slime's request (its patched SGLang's) for each
+# output token's kept top-p ids, meta_info.top_p_token_ids / top_p_token_offsets
+TOP_P_TOKEN_IDS = "return_top_p_token_ids"
+
+
+def wants_top_p_token_ids(sp: SamplingParamsBody) -> bool:
+    """custom_params.return_top_p_token_ids: true or false (absent: false), else a 400."""
+    extra = sp.custom_params
+    if not isinstance(extra, dict) or TOP_P_TOKEN_IDS not in extra:
+        return False
+    value = extra[TOP_P_TOKEN_IDS]
+    if not isinstance(value, bool):
+        raise ValidationError(
+            f"sampling_params.custom_params.{TOP_P_TOKEN_IDS} must be true or false",
+            hint=f'send "{TOP_P_TOKEN_IDS}": true, or leave it out',
+        )
+    return value
 
 
 def with_custom_params(sp: SamplingParamsBody) -> SamplingParamsBody:
@@ -92,13 +109,15 @@ def with_custom_params(sp: SamplingParamsBody) -> SamplingParamsBody:
             "sampling_params.custom_params must be an object of sampling_params fields",
             hint='e.g. {"beam_width": 8, "exclude_item_ids": [3, 9]}',
         )
+    extra = {k: v for k, v in extra.items() if k != TOP_P_TOKEN_IDS}  # wants_top_p_token_ids'
     unknown = sorted(k for k in extra if k not in CUSTOM_FIELDS)
     if unknown:
         raise ValidationError(
             f"sampling_params.custom_params {', '.join(map(repr, unknown))}: not a grctl "
             "sampling field",
             hint="custom_params carries grctl's own sampling_params fields (beam_width, "
-            "use_catalog, exclude_item_ids, length_penalty, ...); leave other keys out",
+            f"use_catalog, exclude_item_ids, length_penalty, ...) and {TOP_P_TOKEN_IDS}; "
+            "leave other keys out",
         )
     fields = {**msgspec.structs.asdict(sp), **extra, "custom_params": None}
     try:
@@ -145,7 +164,9 @@ def sampling_of(body: GenerateBody, sp: SamplingParamsBody) -> SamplingParams:
     )
 
 
-def text_options_of(body: GenerateBody, sp: SamplingParamsBody) -> TextOptions:
+def text_options_of(
+    body: GenerateBody, sp: SamplingParamsBody, top_p_token_ids: bool = False
+) -> TextOptions:
     return TextOptions(
         skip_special_tokens=sp.skip_special_tokens,
         spaces_between_special_tokens=sp.spaces_between_special_tokens,
@@ -153,4 +174,6 @@ def text_options_of(body: GenerateBody, sp: SamplingParamsBody) -> TextOptions:
         return_text_in_logprobs=body.return_text_in_logprobs,
         item_finish_reason=sp.item_finish_reason,
         sampling_logprobs_mode=body.sampling_logprobs_mode or "selected",
+        sampling_mask=body.return_sampling_mask,
+        top_p_token_ids=top_p_token_ids,
     )
