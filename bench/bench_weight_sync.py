@@ -213,7 +213,8 @@ def tensor_part(
             pushes.append(run_client(srv, ckpts[(i + 1) % 2], f"tensor-{i}", bucket_mb))
         growth.append(rss.growth)
     memcpy.measure()
-    sync = run_client(srv, ckpts[(repeats + 1) % 2], "sync-run", bucket_mb, "--sync-run")
+    path = ckpts[(repeats + 1) % 2]
+    sync = run_client(srv, path, "sync-run", bucket_mb, "--sync-run", "--transport", "tensor")
     best = memcpy.reference()
     calls_wall = best_median([p["calls_wall_s"] for p in pushes])
     calls_server = best_median([p["calls_server_s"] for p in pushes])
@@ -231,7 +232,9 @@ def tensor_part(
         "server_rss_anon_growth_bytes_max": max(growth),
         "pushes": pushes,
         "sync_run": sync,
-        "read_back_mismatches": [m for p in [*pushes, sync] for m in p["read_back_mismatches"]],
+        "read_back_mismatches": [
+            m for p in [*pushes, *sync["runs"]] for m in p["read_back_mismatches"]
+        ],
     }
 
 
