@@ -3,6 +3,11 @@ and finish as they would have without it."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -149,3 +154,58 @@ def test_a_failure_after_the_model_ends_only_its_request(model, monkeypatch, sta
     assert all(r.finish_reason == "length" for r in got)
     status = eng.status()
     assert status["requests"]["aborted"] == 1 and status["engine"]["errors"] >= 1
+
+
+REAL_OOM = """
+import resource
+import torch
+torch.set_num_threads(1)
+from grctl.engine.config import EngineConfig
+from grctl.engine.engine import Engine
+from grctl.engine.request import GenerateRequest, SamplingParams
+from tests.support.engines import run_requests
+from tests.support.reference import hf_and_ours
+
+model = hf_and_ours(seed=5)[1]
+def innocents():
+    kinds = [(1, 0.0), (3, 0.0), (1, 1.0)]
+    return [
+        GenerateRequest(
+            tuple(range(3 + i, 12 + i)),
+            SamplingParams(max_new_tokens=4, n=n, temperature=t, seed=7, ignore_eos=True),
+        )
+        for i, (n, t) in enumerate(kinds)
+    ]
+want = run_requests(Engine(model, EngineConfig(max_new_tokens=512)), innocents())
+eng = Engine(model, EngineConfig(max_new_tokens=512))
+# 128 beams of 400 tokens: a 39 MB beam KV, allocated after the wave's first-token selection
+culprit = GenerateRequest((40, 41, 42), SamplingParams(max_new_tokens=400, n=128, ignore_eos=True))
+reqs = innocents()
+rids = [eng.submit(r) for r in [reqs[0], culprit, *reqs[1:]]]
+vm = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (vm + 8 * 2**20, resource.RLIM_INFINITY))
+while eng.run_step():
+    pass
+resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+got = [eng.result(r) for r in rids]
+assert got[1].finish_reason == "abort", got[1].finish_reason
+assert "can't allocate memory" in eng.status()["engine"]["last_error"]
+rest = [got[0], *got[2:]]
+beams = lambda results: [[b.output_ids for b in r.beams] for r in results]  # noqa: E731
+assert beams(rest) == beams(want)
+assert [r.finish_reason for r in rest] == ["length"] * 3
+print("ok")
+"""
+
+
+@pytest.mark.slow  # a child process building two engines: about 15 s on a loaded machine
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc are Linux's")
+def test_a_real_allocation_failure_ends_only_its_request():
+    """Under RLIMIT_AS (in a child process of its own), one request's beam KV cannot be
+    allocated after its wave's first tokens: it alone ends, the others give what they give
+    without it."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    out = subprocess.run(
+        [sys.executable, "-c", REAL_OOM], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
