@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks, as one script for the device machine (see docs/benchmarks.md): the gpu-marked
 # tests, graphs vs eager, mixed decode batches (the ragged layout) against their requests
-# alone, the prefix cache against no cache, generation at the GR shapes, CUDA IPC push and disk
+# alone, the prefix cache against no cache, generation at the GR shapes (beam 256 at context
+# 5,000: req/s), colocated CUDA IPC syncs of the 1.7B and 8B shapes (pause to continue) and disk
 # load, all in
 # bench/gpu_smoke.py (at most 8 minutes), with its JSON and log under $OUT.
 # There, first install the server wheels that machine lacks (prepared here into .whl/):

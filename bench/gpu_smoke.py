@@ -8,13 +8,16 @@ Sections, each timed, each failure recorded without stopping the others:
 - graphs: CUDA-graph decode against eager decode on a mixed batch (widths 4, 3, 20, 1), then
   again after an in-place weight update; the replay count grows and the outputs move with the
   weights, so the graphs replay real work;
-- generate: Qwen3-0.6B and 8B shapes, random bf16 weights built in place, prompt 5000, beam 256,
-  3 new tokens, 1 and 8 requests: CUDA-event times of each prefill and decode call, peak memory,
+- generate: Qwen3-1.7B and 8B shapes, random bf16 weights built in place, prompt 5000, beam 256,
+  3 new tokens, 1 and 8 requests (req/s of the 8; target 35 for 1.7B on one H200): CUDA-event
+  times of each prefill and decode call, peak memory,
   a profiler top-10; transformers' prefill of the same prompt beside (its beam search at 256
   would copy the context KV per beam: more than the GPU holds);
-- ipc: a child process stages the 0.6B model's weights in CUDA buckets and sends the payloads;
-  this process applies them through the weight sink; checksums, times against a
-  device-to-device copy of the same bytes, memory back to baseline on both sides;
+- ipc_1.7b, ipc_8b: a colocated CUDA IPC sync as a trainer runs it: this process pauses its
+  engine (in_place), a child stages the model's weights in 512 MiB CUDA buckets and sends the
+  payloads, this process applies them through the weight sink, then continues; pause to
+  continue timed (target under 1 s for 8B), checksums, times against a device-to-device copy
+  of the same bytes, memory back to baseline on both sides;
 - disk: the 0.6B checkpoint loaded by /update_weights_from_disk's path from the page cache;
 - decode_mix: the two mixed decode batches as one step (Qwen3-0.6B shape, bf16, through
   CUDA graphs) against their requests alone and by groups (bench/bench_decode_mix.py);
@@ -83,9 +86,10 @@ def main() -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, seconds")
     ap.add_argument("--only", nargs="*", help="run only these sections")
     ap.add_argument("--ipc-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--ipc-shape", default="1.7b", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.ipc_child:
-        return ipc_child(args.dry_run)
+        return ipc_child(args.dry_run, args.ipc_shape)
     out_dir = Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="grctl-gpu-smoke-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     device = torch.device("cpu" if args.dry_run else "cuda")
@@ -99,7 +103,7 @@ def main() -> int:
         "dry_run": args.dry_run,
         "sections": {},
     }
-    shapes = ["tiny"] if args.dry_run else ["0.6b", "8b"]
+    shapes = ["tiny"] if args.dry_run else ["1.7b", "8b"]
     sections = [
         ("tests", lambda: tests_part(args.dry_run, min(150.0, deadline - time.monotonic()))),
         ("graphs", lambda: graphs_part(device)),
@@ -109,9 +113,14 @@ def main() -> int:
             (f"generate_{s}", lambda s=s: generate_part(device, SHAPES[s], args.dry_run))
             for s in shapes
         ],
-        ("ipc", lambda: ipc_part(device, args.dry_run, deadline)),
+        *[(f"ipc_{s}", lambda s=s: ipc_part(device, s, args.dry_run, deadline)) for s in shapes],
         ("disk", lambda: disk_part(device, args.dry_run)),
-        ("memory", lambda: memory_part(device, shapes[0], repeats=1 if args.dry_run else 2)),
+        (
+            "memory",
+            lambda: memory_part(
+                device, "tiny" if args.dry_run else "0.6b", repeats=1 if args.dry_run else 2
+            ),
+        ),
     ]
     for name, run in sections:
         if args.only and name not in args.only:
