@@ -75,7 +75,7 @@ def fleet(tmp_path_factory, tiny_checkpoint):
                 sorted(w.url for w in rl.workers() if w.health == "ready")
                 == sorted(s.url for s in servers)
             ),
-            60,
+            120,  # smg retries a failed first probe 30 s later: a loaded machine may need it
             f"both workers ready behind smg ({root / 'smg.log'})",
         )
         yield url, rl, servers
