@@ -10,7 +10,9 @@ The tensors are HF-named and in the served dtype (cast them first: the delta is 
 the served tensor's bytes). Each version is written under a temporary name and renamed into
 place whole, so a server never reads half a version. The layout and the encodings are
 grctl/weights/delta.py's (miles' disk-delta layout, uncompressed); `xor` is the smaller and
-must be applied once, `overwrite` (changed positions and their bytes) may be applied again.
+must be applied once (uncompressed, it is as large as the tensor: kept for miles' layout),
+`overwrite` (changed byte positions and bytes) and `sparse` (changed element positions and
+values, the default: 6 bytes a changed bf16 element) may be applied again.
 The publisher's snapshot is the next delta's base: if a pull fails, sync a whole checkpoint and
 snapshot again.
 """
@@ -54,7 +56,7 @@ def _pairs(named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]
 
 class DeltaPublisher:
     def __init__(
-        self, source_dir: str | Path, *, encoding: str = "xor", checksum_format: str = "sha256"
+        self, source_dir: str | Path, *, encoding: str = "sparse", checksum_format: str = "sha256"
     ):
         self.source_dir = Path(source_dir)
         self.encoding, self.checksum_format = encoding, checksum_format
@@ -85,7 +87,7 @@ class DeltaPublisher:
                     "values only: sync a whole checkpoint and snapshot again"
                 )
             total += new.size
-            diff = encode(self.encoding, new, old)
+            diff = encode(self.encoding, new, old, t.element_size())
             if diff is None:
                 continue
             payloads[name], sums[name] = diff, checksum(self.checksum_format, new)

@@ -12,8 +12,10 @@ A delta is a version directory, the layout miles' disk-delta transport publishes
 
 Encodings are byte-wise over the tensor's bytes in the served dtype: `xor` is new ^ base (as
 long as the tensor; applying it twice reverts it), `overwrite` is a little-endian u4 count, that
-many u4 byte positions, then the new byte at each (idempotent). Compression: `none`, or `zstd`
-where the zstandard package is installed. Checksums: `sha256`, `adler32`, and `blake3` or
+many u4 byte positions, then the new byte at each (idempotent); `sparse` (grctl's own) is
+`overwrite` by element: u4 count, u4 element positions, then each new element's bytes in the
+served dtype (2 bytes a value for bf16: the smallest uncompressed delta). Compression: `none`,
+or `zstd` where the zstandard package is installed. Checksums: `sha256`, `adler32`, and `blake3` or
 `xxh3-128` where their packages are installed.
 
 Torn-sync rules: the delta names its base (`base_version`), and it is refused (409) unless the
@@ -42,7 +44,7 @@ if TYPE_CHECKING:
     from grctl.weights.updater import UpdateOutcome, WeightUpdater
 
 INDEX = "model.safetensors.index.json"
-ENCODINGS = ("xor", "overwrite")
+ENCODINGS = ("xor", "overwrite", "sparse")
 MAX_INDEX_BYTES = 16 << 20
 
 
@@ -76,22 +78,28 @@ def checksum(algorithm: str, data: np.ndarray) -> str:
     )
 
 
-def encode(encoding: str, new: np.ndarray, old: np.ndarray) -> np.ndarray | None:
-    """The delta of one tensor's bytes (uint8 arrays of one length); None when unchanged."""
+def encode(encoding: str, new: np.ndarray, old: np.ndarray, width: int = 1) -> np.ndarray | None:
+    """The delta of one tensor's bytes (uint8 arrays of one length, elements of `width` bytes:
+    `sparse` uses it); None when unchanged."""
     if encoding == "xor":
         diff = np.bitwise_xor(new, old)
         return diff if diff.any() else None
-    if encoding == "overwrite":
-        pos = np.flatnonzero(new != old).astype("<u4")
-        if not pos.size:
-            return None
-        head = np.array([pos.size], "<u4").view(np.uint8)
-        return np.concatenate([head, pos.view(np.uint8), new[pos]])
-    raise ValidationError(f"unknown delta_encoding {encoding!r}", hint="use xor or overwrite")
+    if encoding not in ENCODINGS:
+        raise ValidationError(f"unknown delta_encoding {encoding!r}", hint=f"use {ENCODINGS}")
+    w = width if encoding == "sparse" else 1
+    a, b = new.reshape(-1, w), old.reshape(-1, w)
+    pos = np.flatnonzero((a != b).any(axis=1)).astype("<u4")
+    if not pos.size:
+        return None
+    head = np.array([pos.size], "<u4").view(np.uint8)
+    return np.concatenate([head, pos.view(np.uint8), a[pos].reshape(-1)])
 
 
-def decode(name: str, encoding: str, payload: np.ndarray, base: np.ndarray) -> np.ndarray:
-    """`base` (uint8, not modified) with one tensor's delta applied: a new array."""
+def decode(
+    name: str, encoding: str, payload: np.ndarray, base: np.ndarray, width: int = 1
+) -> np.ndarray:
+    """`base` (uint8, not modified) with one tensor's delta applied: a new array. `width`: the
+    served dtype's element size (a `sparse` delta's unit)."""
     nbytes = base.size
     if encoding == "xor":
         if payload.size != nbytes:
@@ -100,22 +108,25 @@ def decode(name: str, encoding: str, payload: np.ndarray, base: np.ndarray) -> n
                 f"served tensor ({nbytes} bytes in the served dtype)"
             )
         return np.bitwise_xor(base, payload)
+    w = width if encoding == "sparse" else 1
+    units = nbytes // w
     if payload.size < 4:
-        raise ValidationError(f"overwrite delta of {name!r} is shorter than its count")
+        raise ValidationError(f"{encoding} delta of {name!r} is shorter than its count")
     count = int(payload[:4].view("<u4")[0])
-    if count > nbytes or payload.size != 4 + 5 * count:
+    if count > units or payload.size != 4 + (4 + w) * count:
         raise ValidationError(
-            f"overwrite delta of {name!r} is malformed: {payload.size} bytes for {count} "
-            f"positions (a count at most {nbytes}, then 4 + 5 * count bytes in all)"
+            f"{encoding} delta of {name!r} is malformed: {payload.size} bytes for {count} "
+            f"positions (a count at most {units}, then 4 + {4 + w} * count bytes in all; "
+            f"{w}-byte values for the served dtype)"
         )
     pos = payload[4 : 4 + 4 * count].view("<u4")
-    if count and int(pos.max()) >= nbytes:
+    if count and int(pos.max()) >= units:
         raise ValidationError(
-            f"overwrite delta of {name!r} writes byte {int(pos.max())}; the served tensor has "
-            f"{nbytes} bytes"
+            f"{encoding} delta of {name!r} writes position {int(pos.max())}; the served tensor "
+            f"has {units}"
         )
     out = base.copy()
-    out[pos] = payload[4 + 4 * count :]
+    out.reshape(-1, w)[pos] = payload[4 + 4 * count :].reshape(-1, w)
     return out
 
 
@@ -232,7 +243,7 @@ def _apply_one(st, sums, name, enc, algorithm, meta, cfg, params) -> torch.Tenso
         raise ValidationError(f"delta of {name!r} is larger than any delta of its tensor")
     limit = 4 + 5 * base.size
     payload = _decompress(name, meta.get("compression_format"), st.get_tensor(name), limit)
-    out = decode(name, enc, payload, base)
+    out = decode(name, enc, payload, base, cur.element_size())
     if name not in sums:
         raise ValidationError(f"delta of {name!r} carries no checksum of its new state")
     if checksum(algorithm, out) != sums[name]:

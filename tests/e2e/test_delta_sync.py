@@ -62,12 +62,12 @@ def step(state: dict, seed: int, frac: float = 0.02) -> dict:
 
 @pytest.fixture(scope="module")
 def synced(env):
-    """Two delta steps applied (xor, then overwrite); the module's later tests start from it."""
+    """Three delta steps (xor, overwrite, then sparse); the later tests start from them."""
     srv, root, state = env
     pub = DeltaPublisher(root / "pub")
     pub.snapshot(state, version=0)
     new = state
-    for i, enc in enumerate(("xor", "overwrite")):
+    for i, enc in enumerate(("xor", "overwrite", "sparse")):
         pub.encoding = enc
         new = step(new, seed=i)
         save_torch(new, str(root / f"step{i + 1}.safetensors"))  # the new checkpoint
@@ -76,13 +76,13 @@ def synced(env):
         assert stats.wire_bytes < stats.total_bytes // 4
         reply = pull_weights(srv.url, root / "pub", stats.version)
         assert reply["success"] and reply["weight_version"] == str(stats.version)
-    return pub, load_file(str(root / "step2.safetensors"))
+    return pub, load_file(str(root / "step3.safetensors"))
 
 
 def test_delta_gives_exactly_the_new_checkpoints_tensors(env, synced):
     srv, _, state = env
     _, reference = synced
-    assert label(srv) == "2"
+    assert label(srv) == "3"
     for name in (*CHANGED, "model.embed_tokens.weight", "model.layers.1.self_attn.q_proj.weight"):
         assert torch.equal(served(srv, name), reference[name]), name
     assert not torch.equal(reference["model.norm.weight"], state["model.norm.weight"])
@@ -92,30 +92,30 @@ def test_delta_against_another_version_is_409_and_changes_nothing(env, synced):
     srv, root, state = env
     before = served(srv, "model.norm.weight")
     stale = DeltaPublisher(root / "stale")
-    stale.snapshot(state, version=0)  # the server is at version 2
+    stale.snapshot(state, version=0)  # the server is at version 3
     stale.publish(step(state, seed=9))
     r = srv.client().post(
         "/pull_weights", json={"source_dir": str(root / "stale"), "target_version": 1}
     )
     assert "base is version '000000'" in assert_error(r, 409, "conflict")["message"]
-    assert label(srv) == "2" and torch.equal(served(srv, "model.norm.weight"), before)
+    assert label(srv) == "3" and torch.equal(served(srv, "model.norm.weight"), before)
 
 
 def test_delta_with_the_right_label_but_other_base_bytes_is_409(env, synced):
     srv, root, state = env
     before = served(srv, "model.norm.weight")
     liar = DeltaPublisher(root / "liar")
-    liar.snapshot(state, version=1)  # version 1 (next: base '000002') but the original bytes
-    liar.publish(state)  # nothing changed: an empty version 2
-    liar.publish(step(state, seed=11))  # version 3 against '000002' that is not the served 2
+    liar.snapshot(state, version=2)  # version 2 (next: base '000003') but the original bytes
+    liar.publish(state)  # nothing changed: an empty version 3
+    liar.publish(step(state, seed=11))  # version 4 against '000003' that is not the served 3
     r = srv.client().post(
-        "/pull_weights", json={"source_dir": str(root / "liar"), "target_version": 3}
+        "/pull_weights", json={"source_dir": str(root / "liar"), "target_version": 4}
     )
     assert "does not match its checksum" in assert_error(r, 409, "conflict")["message"]
-    assert label(srv) == "2" and torch.equal(served(srv, "model.norm.weight"), before)
+    assert label(srv) == "3" and torch.equal(served(srv, "model.norm.weight"), before)
 
 
-def write_delta(vdir, payloads: dict, sums: dict, encoding="overwrite", base="000002"):
+def write_delta(vdir, payloads: dict, sums: dict, encoding="overwrite", base="000003"):
     vdir.mkdir(parents=True)
     save_file(payloads, str(vdir / "d.safetensors"), metadata=sums)
     meta = {"version": "x", "base_version": base, "delta_encoding": encoding,
@@ -143,6 +143,7 @@ NORM = "model.norm.weight"  # 64 float32: 256 bytes
         ("xor of a bf16 tensor (dtype mismatch)", np.zeros(128, np.uint8), "xor"),
         ("huge payload", np.zeros(10**6, np.uint8), "xor"),
         ("not uint8", np.zeros(64, np.float32), "xor"),
+        ("sparse with bf16-wide values", overwrite(2, [0, 1], [1, 2, 3, 4]), "sparse"),
     ],
 )
 def test_malformed_delta_is_400_and_changes_nothing(env, synced, tmp_path, case, payload, encoding):
@@ -155,10 +156,10 @@ def test_malformed_delta_is_400_and_changes_nothing(env, synced, tmp_path, case,
     lm_bytes = lm.view(torch.uint8).numpy()
     ok = overwrite(4, [0, 1, 2, 3], lm_bytes[:4])
     sums = {"lm_head.weight": checksum("sha256", lm_bytes), NORM: "0" * 64}
-    write_delta(version_dir(src, 3), {"lm_head.weight": ok, NORM: payload}, sums, encoding)
-    r = srv.client().post("/pull_weights", json={"source_dir": str(src), "target_version": 3})
+    write_delta(version_dir(src, 4), {"lm_head.weight": ok, NORM: payload}, sums, encoding)
+    r = srv.client().post("/pull_weights", json={"source_dir": str(src), "target_version": 4})
     assert_error(r, 400, "validation_error")
-    assert label(srv) == "2"
+    assert label(srv) == "3"
     assert torch.equal(served(srv, NORM), before) and torch.equal(
         served(srv, "lm_head.weight"), good
     )
@@ -175,16 +176,16 @@ def test_pull_refuses_paths_outside_the_root_and_missing_versions(env, synced):
     r = http.post("/pull_weights", json={"source_dir": str(root / "pub"), "target_version": 99})
     assert_error(r, 404, "not_found")
     assert_error(http.post("/pull_weights", json={"target_version": 1}), 400, "validation_error")
-    assert label(srv) == "2"
+    assert label(srv) == "3"
 
 
 def test_corrupt_delta_file_is_400(env, synced):
     srv, root, _ = env
-    vdir = version_dir(root / "corrupt", 3)
+    vdir = version_dir(root / "corrupt", 4)
     write_delta(vdir, {NORM: overwrite(0, [], [])}, {NORM: "x"})
     (vdir / "d.safetensors").write_bytes(b"\xff" * 64)
     r = srv.client().post(
-        "/pull_weights", json={"source_dir": str(root / "corrupt"), "target_version": 3}
+        "/pull_weights", json={"source_dir": str(root / "corrupt"), "target_version": 4}
     )
     assert "unreadable" in assert_error(r, 400, "validation_error")["message"]
-    assert label(srv) == "2"
+    assert label(srv) == "3"
