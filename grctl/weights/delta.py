@@ -86,13 +86,21 @@ def encode(encoding: str, new: np.ndarray, old: np.ndarray, width: int = 1) -> n
         return diff if diff.any() else None
     if encoding not in ENCODINGS:
         raise ValidationError(f"unknown delta_encoding {encoding!r}", hint=f"use {ENCODINGS}")
-    w = width if encoding == "sparse" else 1
-    a, b = new.reshape(-1, w), old.reshape(-1, w)
-    pos = np.flatnonzero((a != b).any(axis=1)).astype("<u4")
+    a, b = _units(new, width, encoding), _units(old, width, encoding)
+    pos = np.flatnonzero(a != b).astype("<u4")
     if not pos.size:
         return None
     head = np.array([pos.size], "<u4").view(np.uint8)
-    return np.concatenate([head, pos.view(np.uint8), a[pos].reshape(-1)])
+    return np.concatenate([head, pos.view(np.uint8), a[pos].reshape(-1).view(np.uint8)])
+
+
+def _units(data: np.ndarray, width: int, encoding: str) -> np.ndarray:
+    """The bytes as the encoding's units: one element each for `sparse` (opaque `width`-byte
+    items where numpy has no integer that wide), one byte each for `overwrite`."""
+    w = width if encoding == "sparse" else 1
+    if w in (1, 2, 4, 8):
+        return data.view(f"<u{w}")
+    return data.view(np.dtype((np.void, w)))
 
 
 def decode(
@@ -126,7 +134,7 @@ def decode(
             f"has {units}"
         )
     out = base.copy()
-    out.reshape(-1, w)[pos] = payload[4 + 4 * count :].reshape(-1, w)
+    _units(out, w, encoding)[pos] = _units(payload[4 + 4 * count :], w, encoding)
     return out
 
 

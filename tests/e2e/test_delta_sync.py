@@ -189,3 +189,21 @@ def test_corrupt_delta_file_is_400(env, synced):
     )
     assert "unreadable" in assert_error(r, 400, "validation_error")["message"]
     assert label(srv) == "3"
+
+
+@pytest.mark.parametrize("encoding", ["xor", "overwrite", "sparse"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_encode_then_decode_is_the_new_tensor(encoding, dtype):
+    from grctl.weights.delta import decode, encode
+
+    g = torch.Generator().manual_seed(5)
+    old = torch.randn(1000, generator=g).to(dtype)
+    new = old.clone()
+    new[torch.randperm(1000, generator=g)[:25]] += 1.0
+    ob, nb = old.view(torch.uint8).numpy(), new.view(torch.uint8).numpy()
+    payload = encode(encoding, nb, ob, old.element_size())
+    out = decode("t", encoding, payload, ob, old.element_size())
+    assert torch.equal(torch.from_numpy(out).view(dtype), new)
+    if encoding == "sparse":  # 25 elements: count, positions, values
+        assert payload.size == 4 + 25 * (4 + old.element_size())
+    assert encode(encoding, ob, ob, old.element_size()) is None
