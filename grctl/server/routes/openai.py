@@ -41,10 +41,9 @@ from grctl.server.offload import offload
 from grctl.server.openapi import error_responses
 from grctl.server.routes.generate import run_to_end
 from grctl.server.routes.info import served_model_name
+from grctl.server.translation.chat_template import chat_prompt, check_chat
 from grctl.server.translation.openai import (
     Choice,
-    chat_prompt,
-    check_chat,
     choices_of,
     completion_prompts,
     created_now,
