@@ -7,7 +7,7 @@ alone and in a batch; a reduction's split follows its shape; attention's order f
 queries and keys are cut (a prefix-cache hit attends in two parts, a miss in one). Here:
 
 - `linear`: the rows are cut into tiles of ROW_TILE rows (the last one zero-padded) and every
-  tile runs the same [ROW_TILE, K] x [K, N] product, as one batched matmul: one shape, one
+  tile runs the same [ROW_TILE, K] x [K, N] product, as batched matmuls: one shape, one
   kernel, one reduction order over K for every row.
 - `rms_norm`: the mean of squares as the same tiled product against columns of ones.
 - `attention`: every query row against keys cut at fixed absolute positions (blocks of
@@ -26,6 +26,8 @@ import torch
 ROW_TILE = 32  # rows of every matmul tile
 KEY_BLOCK = 64  # keys of every attention block
 CHUNK_BYTES = 64 << 20  # attention's temporaries per chunk of query tiles
+FLASH_KV_BLOCK = 512  # torch's CPU flash attention cuts keys in blocks of min(512, keys)
+PREFILL_TILE = 256  # query rows of a causal (prefill) attention tile on the CPU
 
 
 def _tiles(x: torch.Tensor, tile: int = ROW_TILE) -> tuple[torch.Tensor, int]:
@@ -38,11 +40,21 @@ def _tiles(x: torch.Tensor, tile: int = ROW_TILE) -> tuple[torch.Tensor, int]:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, weight) (no bias), row-invariant: x [..., K], weight [N, K] -> [..., N]."""
-    lead, k = x.shape[:-1], x.shape[-1]
-    tiles, rows = _tiles(x.reshape(-1, k))
-    out = torch.bmm(tiles, weight.t().expand(tiles.shape[0], k, weight.shape[0]))
-    return out.reshape(-1, weight.shape[0])[:rows].reshape(*lead, weight.shape[0])
+    """F.linear(x, weight) (no bias), row-invariant: x [..., K], weight [N, K] -> [..., N].
+    The whole tiles are read in place; only the last, partial one is copied and padded."""
+    lead, k, n = x.shape[:-1], x.shape[-1], weight.shape[0]
+    flat = x.reshape(-1, k)
+    rows = flat.shape[0]
+    whole = rows - rows % ROW_TILE
+    w, outs = weight.t(), []
+    if whole:
+        main = flat[:whole].view(-1, ROW_TILE, k)
+        outs.append(torch.bmm(main, w.expand(main.shape[0], k, n)).view(-1, n))
+    if whole < rows:
+        tail, _ = _tiles(flat[whole:])
+        outs.append(torch.bmm(tail, w.expand(1, k, n)).view(-1, n)[: rows - whole])
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out.reshape(*lead, n)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -60,6 +72,8 @@ def attention(
     """q [n, H, D]; k, v [KV, S, D] (keys at positions 0 .. S - 1); q_pos [n] each query's
     position (it sees keys 0 .. q_pos), None: every key. -> out [n, H, D] and lse [n, H], both
     float32 (the log-sum-exp of the scaled scores, for a merge with other keys)."""
+    if q.device.type == "cpu":
+        return _flash_tiles(q, k, v, q_pos)
     n, heads, dim = q.shape
     num_kv, length = k.shape[0], k.shape[1]
     groups = heads // num_kv
@@ -132,3 +146,46 @@ def _tile_attention(qt, kb, vb, key_pos, row_limit):
         run = run * (run_m - safe).exp() + acc[:, :, b] * (m_b - safe).exp()
         run_m = new_m
     return run, run_m
+
+
+def _flash_tiles(q, k, v, q_pos):
+    """The CPU path: torch's fused flash attention over query tiles of ROW_TILE rows. Its kv
+    blocks start at key 0 and their size follows the key count alone, its query block is the
+    tile, so every row meets the same products and the same reduction order."""
+    n, heads, dim = q.shape
+    num_kv, length = k.shape[0], k.shape[1]
+    groups = heads // num_kv
+    rows = n * groups
+    # a prefill's many rows in long tiles (the kernel cuts each in query blocks of 64), a
+    # decode step's few in short ones (one query block of 32)
+    tile = PREFILL_TILE if q_pos is not None else ROW_TILE
+    qr = q.view(n, num_kv, groups, dim).permute(1, 0, 2, 3).reshape(num_kv, rows, dim)
+    pad = -rows % tile
+    if pad:
+        qr = torch.cat((qr, qr.new_zeros(num_kv, pad, dim)), dim=1)
+    tiles = qr.shape[1] // tile
+    qt = qr.view(num_kv, tiles, tile, dim).transpose(0, 1)  # [T, KV, tile, D]
+    mask = None
+    if q_pos is not None:
+        # causal rows: keys padded to whole kv blocks of torch's kernel, so that its blocks
+        # (their size is min(512, keys)) do not follow the key count: a prompt's rows then
+        # give the same bits whether later tokens (a longer prompt sharing the prefix) follow
+        kpad = -length % FLASH_KV_BLOCK
+        if kpad:
+            k = torch.cat((k, k.new_zeros(num_kv, kpad, dim)), dim=1)
+            v = torch.cat((v, v.new_zeros(num_kv, kpad, dim)), dim=1)
+        limit = q_pos.to(q.device).repeat_interleave(groups)
+        if pad:  # padding rows see every key (nothing of theirs is kept)
+            limit = torch.cat((limit, limit.new_full((pad,), length - 1)))
+        visible = torch.arange(k.shape[1], device=q.device)[None, :] <= limit[:, None]
+        mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device)
+        mask = mask.masked_fill(~visible, float("-inf")).view(tiles, 1, tile, k.shape[1])
+    kt = k.unsqueeze(0).expand(tiles, *k.shape)
+    vt = v.unsqueeze(0).expand(tiles, *v.shape)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qt, kt, vt, attn_mask=mask
+    )
+    out = out.float().transpose(0, 1).reshape(num_kv, tiles * tile, dim)[:, :rows]
+    lse = lse.float().transpose(0, 1).reshape(num_kv, tiles * tile)[:, :rows]
+    out = out.view(num_kv, n, groups, dim).permute(1, 0, 2, 3).reshape(n, heads, dim)
+    return out, lse.view(num_kv, n, groups).permute(1, 0, 2).reshape(n, heads)
