@@ -10,11 +10,13 @@ queries and keys are cut (a prefix-cache hit attends in two parts, a miss in one
   tile runs the same [ROW_TILE, K] x [K, N] product, as batched matmuls: one shape, one
   kernel, one reduction order over K for every row.
 - `rms_norm`: the mean of squares as the same tiled product against columns of ones.
-- `attention`: every query row against keys cut at fixed absolute positions (blocks of
-  KEY_BLOCK keys, the last padded and masked), each block's scores and weighted values as fixed-
-  shape products, the blocks merged one after another in position order (online softmax, a
-  fully masked block leaves the running sums exactly as they were). A row's output is a function
-  of its query, its position and the keys before it, whatever else the call holds.
+- `attention`: query rows in fixed tiles against keys cut at fixed absolute positions. On the
+  CPU, torch's flash kernel per tile (its kv blocks start at key 0; a causal call pads the keys
+  to whole 512-key blocks, so the blocks do not follow the key count); elsewhere blocks of
+  KEY_BLOCK keys, each block's scores and weighted values as fixed-shape products, merged one
+  after another in position order (online softmax: a fully masked block leaves the running sums
+  exactly as they were). A row's output is a function of its query, its position and the keys
+  before it (a decode row: of the whole context), whatever else the call holds.
 
 Written for CUDA too (the same shapes give cuBLAS the same kernel), where it is untested.
 """
