@@ -76,6 +76,13 @@ def attention(
     float32 (the log-sum-exp of the scaled scores, for a merge with other keys)."""
     if q.device.type == "cpu":
         return _flash_tiles(q, k, v, q_pos)
+    return block_attention(q, k, v, q_pos)
+
+
+def block_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attention` off the CPU (any device runs it): KEY_BLOCK-key blocks merged in order."""
     n, heads, dim = q.shape
     num_kv, length = k.shape[0], k.shape[1]
     groups = heads // num_kv

@@ -159,3 +159,29 @@ def test_the_trainer_forward_gives_the_server_logprobs_bitwise(model):
     plain.set_batch_invariant(False)
     with pytest.raises(ValueError, match="set_batch_invariant"):
         forward.server_logits(plain, ids, out)
+
+
+def test_the_block_attention_of_other_devices_is_row_invariant_too():
+    """The path CUDA takes (fixed 64-key blocks merged in order), run here on the CPU."""
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(150, 4, 24, generator=gen)
+    k, v = torch.randn(2, 150, 24, generator=gen), torch.randn(2, 150, 24, generator=gen)
+    pos = torch.arange(150)
+    out, lse = batch_invariant.block_attention(q, k, v, pos)
+    sub, sub_lse = batch_invariant.block_attention(q[97:], k, v, pos[97:])
+    assert torch.equal(sub, out[97:]) and torch.equal(sub_lse, lse[97:])
+    short, _ = batch_invariant.block_attention(q[:70], k[:, :70], v[:, :70], pos[:70])
+    assert torch.equal(short, out[:70])
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.repeat_interleave(2, 0), v.repeat_interleave(2, 0), is_causal=True
+    ).transpose(0, 1)
+    assert torch.allclose(out, ref, atol=1e-5)
+    whole, whole_lse = batch_invariant.block_attention(q[:5], k, v)  # decode: every key
+    assert torch.allclose(
+        whole_lse,
+        torch.logsumexp(
+            torch.einsum("nhd,hsd->nhs", q[:5], k.repeat_interleave(2, 0)) * 24**-0.5, -1
+        ),
+        atol=1e-5,
+    )
+    assert torch.equal(batch_invariant.block_attention(q[3:5], k, v)[0], whole[3:5])
