@@ -243,21 +243,25 @@ class Engine:
     def poll(self, request_id: str) -> GenerateResult | None:
         with self.gate:
             result = self.results.peek(request_id)
-            if result is None and request_id not in self.scheduler:
+            if result is None and not self._known(request_id):
                 raise NotFound(f"no request {request_id!r}", hint="results are kept until fetched")
             return result
 
     def result(self, request_id: str, timeout: float | None = None) -> GenerateResult:
         with self.gate:
             self.gate.wait_for(
-                lambda: request_id in self.results or request_id not in self.scheduler, timeout
+                lambda: self.results.is_ready(request_id) or not self._known(request_id), timeout
             )
             result = self.results.pop(request_id)
             if result is not None:
                 return result
-            if request_id in self.scheduler:
+            if self._known(request_id):
                 raise GenerateTimeout(f"request {request_id!r} did not finish in {timeout}s")
             raise NotFound(f"no request {request_id!r}", hint="results are kept until fetched")
+
+    def _known(self, request_id: str) -> bool:
+        """In flight, or ended with its result kept or being built (holding the gate)."""
+        return request_id in self.scheduler or request_id in self.results
 
     def generate(self, req: GenerateRequest, timeout: float | None = None) -> GenerateResult:
         """submit + result; on timeout the request is cancelled and its result dropped."""
@@ -299,7 +303,12 @@ class Engine:
         with self.gate:
             for rid in request_ids:
                 self.cancel(rid)
-            self.gate.wait_for(lambda: not any(r in self.scheduler for r in request_ids), 5.0)
+            self.gate.wait_for(
+                lambda: (
+                    not any(r in self.scheduler or self.results.is_pending(r) for r in request_ids)
+                ),
+                5.0,
+            )
             for rid in request_ids:
                 self.results.pop(rid)
 

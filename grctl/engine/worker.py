@@ -2,7 +2,10 @@
 
 A step takes its batch from the scheduler holding the gate, computes without it (the gate says
 it is computing meanwhile), and publishes its outcome holding it again. A request ends at once,
-or, when the step computing it is running, as soon as that step's outcome lands.
+or, when the step computing it is running, as soon as that step's outcome lands. Its result (a
+beam search's per-token top logprobs read back into lists can take seconds) is built by the
+worker thread without the gate, between steps: a request that ends holding the gate only leaves
+the scheduler, so /ready, /poll and every other caller of the gate wait for none of that.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class Worker:
         self.profiler = profiler  # started and stopped in this thread, between steps
         self._thread: threading.Thread | None = None
         self._step_ids: set[str] = set()  # the requests of the step being computed
+        self._unbuilt: list[tuple[Sequence, str, bool]] = []  # ended: (seq, label, aborted)
 
     # ---- the thread ---------------------------------------------------------------------
     def start(self) -> None:
@@ -74,12 +78,16 @@ class Worker:
                 with self.gate:
                     self.gate.wait_for(
                         lambda: (
-                            self.gate.is_stopping or self._has_work() or self.profiler.has_command()
+                            self.gate.is_stopping
+                            or self._has_work()
+                            or self.profiler.has_command()
+                            or bool(self._unbuilt)
                         ),
                         1.0,
                     )
                     if self.gate.is_stopping:
                         return
+                self.build_results()
                 self.profiler.service()
                 try:
                     if self.run_step():
@@ -91,7 +99,8 @@ class Worker:
                     self.stats.record_error(exc)
         finally:
             self.profiler.close()
-            self.gate.worker_running(False)
+            self.gate.worker_running(False)  # from here a request that ends builds its own
+            self.build_results()
 
     def _has_work(self) -> bool:
         return self.gate.can_compute() and self.scheduler.num_in_flight > 0
@@ -200,9 +209,38 @@ class Worker:
         return len(seqs)
 
     def finish(self, seq: Sequence, aborted: bool = False) -> None:
+        """End it (holding the gate). While the worker thread runs, it builds the result
+        without the gate (build_results); else (steps driven by hand) it is built here."""
         self.scheduler.remove(seq)
         seq.release_kv()
-        result = seq.to_result(self.gate.label, aborted)
+        if self.gate.worker_alive:
+            self.results.expect(seq.request_id)
+            self._unbuilt.append((seq, self.gate.label, aborted))
+            self.gate.notify()
+        else:
+            self._store(seq.to_result(self.gate.label, aborted))
+
+    def build_results(self) -> None:
+        """Build the results of the requests that ended, without the gate; each is put (and
+        its waiters woken) holding it for that only."""
+        with self.gate:
+            todo, self._unbuilt = self._unbuilt, []
+        for seq, label, aborted in todo:
+            result, error = None, None
+            try:
+                result = seq.to_result(label, aborted)
+            except Exception as exc:  # a bug: the request ends without a result (404)
+                log.exception("building the result of %s failed", seq.request_id)
+                error = exc
+            with self.gate:
+                if result is None:
+                    self.results.forget(seq.request_id)
+                    self.stats.record_error(error)
+                else:
+                    self._store(result)
+                self.gate.notify()
+
+    def _store(self, result) -> None:
         self.results.put(result)
         self.stats.record_result(result)
 

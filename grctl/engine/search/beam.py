@@ -96,8 +96,8 @@ class StepState:
     first_rows: list[int] | None = None
     rows_top: tuple[torch.Tensor, torch.Tensor] | None = None
     rows_mask: tuple[torch.Tensor, torch.Tensor] | None = None
-    # rows_top holds only the requests that ask: request i's rows from top_first_rows[i] (-1:
-    # none); None when every request of the step asks (then first_rows)
+    # rows_top holds only the requests that ask (and only they are computed): request i's rows
+    # from top_first_rows[i] (-1: none)
     top_first_rows: list[int] | None = None
 
 

@@ -56,13 +56,12 @@ def step(logits: torch.Tensor, blocks: list[Block]) -> None:
     x = _processed(logits, lse, blocks)
     num_cands = max(b.beams.num_candidates for b in blocks)
     beams = [b.beams for b in blocks]
-    k_own = max((b.top_logprobs for b in beams if not b.original_logprob), default=0)
-    tops = RowTops.empty(logits.shape[0], k_own, max(b.mask_width for b in beams), dev)
+    tops = RowTops.empty(blocks, logits.shape[0], max(b.mask_width for b in beams), dev)
     groups = _groups(blocks)
     cands = candidates.collect(x, lse, par, groups, len(blocks), num_cands, tops, x is not logits)
-    lp, rows_top = _reported(logits, lse, cands, blocks, tops.top)
+    lp = _reported(logits, lse, cands, blocks, tops)
     reasons = _reasons(cands, blocks, logits.shape[1])
-    _update(blocks, cands, lp, reasons, (rows_top, tops.mask))
+    _update(blocks, cands, lp, reasons, tops)
 
 
 def _tensor(values: list, dtype, dev) -> torch.Tensor:
@@ -135,32 +134,24 @@ def _groups(blocks: list[Block]) -> list[tuple[str, Group]]:
     return list(groups.values())
 
 
-def _reported(logits, lse, cands: Cands, blocks: list[Block], own_top):
+def _reported(logits, lse, cands: Cands, blocks: list[Block], tops: RowTops):
     """The reported log-probability of every candidate [R, K] (the behaviour's, or the model's
-    log_softmax(logits) for a request with original_logprob), and the top log-probabilities of
-    every row ([rows, k] values and ids) when a request asks for them."""
+    log_softmax(logits) for a request with original_logprob); the model's top log-probabilities
+    of the rows of an original_logprob request that asks for them go into `tops`."""
     dev = logits.device
     orig = [b.beams.original_logprob for b in blocks]
     lp = cands.blp
     if any(orig):
         raw = logits[cands.row, cands.token.clamp(min=0)] - lse[cands.row]
         lp = torch.where(_tensor(orig, bool, dev)[:, None], raw, lp)
-    k = max(b.beams.top_logprobs for b in blocks if b.beams.original_logprob) if any(orig) else 0
-    if k == 0:
-        return lp, own_top
-    values, ids = logits.topk(min(k, logits.shape[1]), dim=-1)
-    values = values - lse[:, None]
-    if own_top is None:
-        return lp, (values, ids)
-    width = max(k, own_top[0].shape[1])
-    per_row = np.repeat(np.array(orig), [b.num_rows for b in blocks])
-    is_orig = torch.from_numpy(per_row).to(dev)[:, None]
-    pad_v = torch.full((values.shape[0], width), NEG_INF, device=dev)
-    pad_i = torch.zeros((values.shape[0], width), dtype=torch.int64, device=dev)
-    ov, oi, bv, bi = pad_v.clone(), pad_i.clone(), pad_v, pad_i
-    ov[:, : values.shape[1]], oi[:, : values.shape[1]] = values, ids
-    bv[:, : own_top[0].shape[1]], bi[:, : own_top[0].shape[1]] = own_top
-    return lp, (torch.where(is_orig, ov, bv), torch.where(is_orig, oi, bi))
+    asking = [b for b in blocks if b.beams.original_logprob and b.beams.top_logprobs > 0]
+    if asking:
+        k = max(b.beams.top_logprobs for b in asking)
+        rows = np.concatenate([np.arange(b.first_row, b.first_row + b.num_rows) for b in asking])
+        sel = torch.from_numpy(rows).to(dev)
+        values, ids = logits.index_select(0, sel).topk(min(k, logits.shape[1]), dim=-1)
+        tops.put_top(rows, values - lse.index_select(0, sel)[:, None], ids)
+    return lp
 
 
 def _reasons(cands: Cands, blocks: list[Block], vocab: int) -> torch.Tensor:
@@ -179,7 +170,7 @@ def _reasons(cands: Cands, blocks: list[Block], vocab: int) -> torch.Tensor:
     return reasons.to(torch.int8)
 
 
-def _update(blocks: list[Block], c: Cands, lp, reasons, row_tables) -> None:
+def _update(blocks: list[Block], c: Cands, lp, reasons, tops: RowTops) -> None:
     """Every request's new running beams and pool (beam.py's rules), in one set of ops."""
     dev = c.key.device
     num, k = c.key.shape
@@ -235,35 +226,12 @@ def _update(blocks: list[Block], c: Cands, lp, reasons, row_tables) -> None:
     bound = torch.where(penalty == 0, best, bound)
     det_over = (best == NEG_INF) | ((worst > NEG_INF) & (bound <= worst))
     over = torch.where(stoch[:, 0], run_key[:, 0] == NEG_INF, det_over)
-    rows_top, rows_mask = row_tables
     firsts = [b.first_row for b in blocks]
-    rows_top, top_firsts = _asking_rows(rows_top, blocks)
     state = StepState(
-        run_f, run_i, pool_f, pool_i, dropped, firsts, rows_top, rows_mask, top_firsts
+        run_f, run_i, pool_f, pool_i, dropped, firsts, tops.top, tops.mask, tops.firsts
     )
     for i, (b, is_over) in enumerate(zip(beams, over.tolist(), strict=True)):
         b.advance(state, i, is_over)
-
-
-def _asking_rows(table, blocks: list[Block]):
-    """The step's top log-probabilities kept for the requests that ask only (a request that
-    does not, batched with one that does, holds no [rows, k] rows of its own), and where each
-    request's rows start in what is kept (-1: none)."""
-    if table is None:
-        return None, None
-    asks = [b.beams.top_logprobs > 0 for b in blocks]
-    if all(asks):
-        return table, None  # first_rows hold
-    firsts, rows, at = [], [], 0
-    for b, a in zip(blocks, asks, strict=True):
-        firsts.append(at if a else -1)
-        if a:
-            rows.append(np.arange(b.first_row, b.first_row + b.num_rows))
-            at += b.num_rows
-    if not rows:
-        return None, None
-    index = torch.from_numpy(np.concatenate(rows)).to(table[0].device)
-    return (table[0][index], table[1][index]), firsts
 
 
 def _cols(index: torch.Tensor, num: int) -> torch.Tensor:

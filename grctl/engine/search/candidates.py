@@ -93,6 +93,22 @@ def collect(
     return out
 
 
+def _own_top(tops: RowTops, g: Group, lp, norm, tokens) -> None:
+    """The top logprobs of the group's rows whose request asks for its own, those rows only:
+    the best of lp - norm (lp [r, m] over what each row allows, `tokens` its token ids)."""
+    own = tops.own_rows(g.beams, g.num_rows)
+    if own is None:
+        return
+    pos, k = own
+    sel = torch.from_numpy(pos).to(lp.device)
+    if torch.is_tensor(norm):
+        norm = norm.index_select(0, sel)
+    values, cols = lp.index_select(0, sel).topk(min(k, lp.shape[1]), dim=-1)
+    values = torch.nan_to_num(values - norm, nan=NEG_INF, neginf=NEG_INF)
+    ids = cols if tokens is None else tokens.index_select(0, sel).gather(1, cols)
+    tops.put_top(g.rows[pos], values, ids)
+
+
 def _collect_group(
     x, lse, par: Parents, kind: str, g: Group, out: Cands, tops: RowTops, processed: bool
 ) -> None:
@@ -121,15 +137,7 @@ def _collect_group(
         # the behaviour distribution: the processed log-probabilities renormalised
         norm = sampler.row_logsumexp(xr, True) if tokens is not None or processed else row_lse
         blp = torch.nan_to_num(lp - norm, nan=NEG_INF, neginf=NEG_INF)
-        if tops.wants_top(g.beams):
-            values, ids = xr.topk(min(tops.top[0].shape[1], m), dim=-1)
-            tops.put(
-                tops.top,
-                rows,
-                torch.nan_to_num(values - norm, nan=NEG_INF, neginf=NEG_INF),
-                ids,
-                tokens,
-            )
+        _own_top(tops, g, xr, norm, tokens)
     else:
         lpt = _sampling(xr, g, dev)
         u = _noise(kind, g, m, dev)
@@ -144,8 +152,7 @@ def _collect_group(
             key = sampler.conditioned(top, gum.max(-1).values, p_key)
         score = p_score[:, None] + (xr.gather(1, col) - row_lse)
         blp = lpt.gather(1, col)
-        if tops.wants_top(g.beams):
-            tops.put(tops.top, rows, *lpt.topk(min(tops.top[0].shape[1], m), dim=-1), tokens)
+        _own_top(tops, g, lpt, 0.0, tokens)
         if tops.mask is not None and any(b.mask_width for b in g.beams):
             tops.put(tops.mask, rows, *lpt.topk(min(tops.mask[0].shape[1], m), dim=-1), tokens)
     phi = p_phi[:, None] + blp
