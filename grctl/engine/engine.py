@@ -96,6 +96,7 @@ class Engine:
             config.return_original_logprob,
             config.sampling_mask_max_tokens,
             join_contexts=deterministic,
+            invariant_rows=deterministic,
         )
         self.scheduler = Scheduler(
             config.max_running_requests,

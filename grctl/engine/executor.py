@@ -22,7 +22,7 @@ from grctl.engine.decode_batch import DecodeItem
 from grctl.engine.kv_cache import BeamKV, ContextKV, chained
 from grctl.engine.model_runner import ModelRunner
 from grctl.engine.prefix_cache import Match, PrefixCache, join_kv
-from grctl.engine.search import beam_select
+from grctl.engine.search import beam_select, sampler
 from grctl.engine.search.beam import Beams
 from grctl.engine.search.beam_select import Block
 from grctl.engine.sequence import Sequence
@@ -36,6 +36,7 @@ class Executor:
         original_logprob: bool = False,
         mask_max_tokens: int = 4096,
         join_contexts: bool = False,
+        invariant_rows: bool = False,
     ):
         self.runner = runner
         self.cache = cache
@@ -44,6 +45,7 @@ class Executor:
         # deterministic inference: a context continuing cached parts is joined into one part
         # once, at prefill, so that decode attends to it as to an uncached prompt
         self.join_contexts = join_contexts
+        self.invariant_rows = invariant_rows  # and each row's selection reduced on its own
         cfg = runner.config
         self.max_cached_len = (
             cfg.max_position_embeddings if cfg.rope.rope_type == "dynamic" else None
@@ -182,7 +184,8 @@ class Executor:
                 start=(seq.item_start.node, seq.item_start.depth),
             )
             blocks.append(Block(seq.beams, i, 1))
-        beam_select.step(torch.stack([lp for _, _, lp in started]), blocks)
+        with sampler.row_invariant(self.invariant_rows):
+            beam_select.step(torch.stack([lp for _, _, lp in started]), blocks)
         self._match_stop_strings([s for s, _, _ in started])
         for seq, ctx, _ in started:
             if id(seq) not in self.culprits:
@@ -242,7 +245,8 @@ class Executor:
             for s in seqs
             if s.beams.generator is not None
         }
-        beam_select.step(logits, blocks)
+        with sampler.row_invariant(self.invariant_rows):
+            beam_select.step(logits, blocks)
         self._match_stop_strings(seqs)
         for seq, item in zip(seqs, items, strict=True):
             if id(seq) not in self.culprits:

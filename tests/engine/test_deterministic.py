@@ -185,3 +185,23 @@ def test_the_block_attention_of_other_devices_is_row_invariant_too():
         atol=1e-5,
     )
     assert torch.equal(batch_invariant.block_attention(q[3:5], k, v)[0], whole[3:5])
+
+
+@pytest.mark.slow
+def test_alone_equals_inside_a_batch_at_a_large_vocabulary():
+    """At a 50,000-token vocabulary a reduction over the step's [rows, vocab] logits followed the
+    row count: a seeded sample's score differed in its last bits alone and in a batch."""
+    vocab = 50_000
+    big = hf_and_ours(seed=3, vocab_size=vocab)[1]
+
+    def req(i: int) -> GenerateRequest:
+        gen = torch.Generator().manual_seed(i)
+        ids = tuple(torch.randint(0, vocab, ([5, 40, 17, 70, 9][i % 5] + i,), generator=gen))
+        sp = SamplingParams(
+            max_new_tokens=3, n=[1, 4, 2, 1, 3][i % 5], temperature=[0.0, 1.0][i % 2], seed=100 + i
+        )
+        return GenerateRequest(tuple(map(int, ids)), sp, return_logprob=True, top_logprobs_num=2)
+
+    reqs = [req(i) for i in range(6)]
+    alone = [signature(run_requests(engine(big), [r])[0]) for r in reqs]
+    assert [signature(r) for r in run_requests(engine(big), reqs)] == alone
