@@ -254,6 +254,8 @@ def test_strict_replies_leave_out_only_unset_optional_keys():
         "output_token_sampling_mask",
         "output_token_sampling_logprobs",
         "output_token_sampling_mask_length",
+        "top_p_token_ids",
+        "top_p_token_offsets",
     }
     assert sent["finish_reason"] == {"type": "length", "length": 0}
     ok = info.StrictFlushCacheResponse(success=True, entries_cleared=0)

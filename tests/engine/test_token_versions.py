@@ -101,7 +101,7 @@ def test_retract_and_a_relabel_continue_on_the_kept_kv(engine):
     assert res.token_versions == ["A", "A"] + ["A2"] * (MAX_NEW - 2)
     assert (res.num_retractions, res.kv_recomputed_at) == (1, [])
     # kept, not recomputed: only the reference's prefill computed anything
-    assert res.cached_tokens == len(PROMPT)
+    assert res.cached_tokens == len(PROMPT) - 1  # an exact repeat: SGLang counts all but one
     assert engine.status()["scheduler"]["prefill_tokens"] == len(PROMPT)
 
 
