@@ -1,0 +1,96 @@
+"""miles' default disk-delta publication (zstd-compressed payloads, xxh3-128 checksums) applied
+by /pull_weights on a real server. The delta is written here as miles' writer lays it out (its
+update_weight_from_distributed/delta.py: one `model-NNNNN-of-NNNNN.safetensors` of 1-D uint8
+tensors, each a zstd frame of the xor or overwrite payload, the file's metadata mapping each name
+to the xxh3-128 hex digest of the tensor's complete new bytes; the HF index with 6-digit
+`version`/`base_version`). Reference: the new checkpoint's own tensors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import save
+from safetensors.torch import load_file
+
+from tests.e2e.test_delta_sync import CHANGED, label, served, step
+from tests.support.checkpoints import write_checkpoint
+from tests.support.serverproc import assert_error, running_server
+
+zstandard = pytest.importorskip("zstandard")
+xxhash = pytest.importorskip("xxhash")
+
+FILE = "model-00000-of-00001.safetensors"
+
+
+def publish_like_miles(root, version: int, old: dict, new: dict, encoding: str, *, corrupt=False):
+    """One miles-layout version dir `weight_v{version:06d}` against `old` (its base)."""
+    payloads, sums = {}, {}
+    for name in sorted(new):
+        a = new[name].contiguous().view(torch.uint8).reshape(-1).numpy()
+        b = old[name].contiguous().view(torch.uint8).reshape(-1).numpy()
+        if np.array_equal(a, b):
+            continue  # unchanged tensors are left out of the version
+        if encoding == "xor":
+            diff = np.bitwise_xor(a, b)
+        else:  # overwrite: u4 count, u4 byte positions, the new byte at each
+            pos = np.flatnonzero(a != b).astype("<u4")
+            diff = np.concatenate([np.array([pos.size], "<u4").view(np.uint8),
+                                   pos.view(np.uint8), a[pos]])  # fmt: skip
+        frame = zstandard.ZstdCompressor(level=1).compress(diff.tobytes())
+        if corrupt:
+            frame = frame[: len(frame) // 2]
+        payloads[name] = np.frombuffer(frame, dtype=np.uint8)
+        sums[name] = xxhash.xxh3_128(a.tobytes()).hexdigest()
+    vdir = root / f"weight_v{version:06d}"
+    vdir.mkdir(parents=True)
+    (vdir / FILE).write_bytes(save(payloads, metadata=sums))
+    meta = {"version": f"{version:06d}", "base_version": f"{version - 1:06d}",
+            "delta_encoding": encoding, "compression_format": "zstd",
+            "checksum_format": "xxh3-128"}  # fmt: skip
+    index = {"metadata": meta, "weight_map": dict.fromkeys(payloads, FILE)}
+    (vdir / "model.safetensors.index.json").write_text(json.dumps(index))
+    return len(payloads)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("miles-delta")
+    base = write_checkpoint(root / "base", seed=4)
+    state = load_file(str(base / "model.safetensors"))
+    with running_server(
+        "--allow-weight-update",
+        "--model-path",
+        str(base),
+        "--weights-root",
+        str(root),
+        "--weight-version",
+        "0",
+    ) as srv:
+        yield srv, root, state
+
+
+def test_miles_default_publication_applies(env):
+    """Two steps (xor, then overwrite), both zstd + xxh3-128: the served tensors are the second
+    step's checkpoint; a truncated zstd frame is a 400 that changes nothing."""
+    srv, root, state = env
+    src, http = root / "deltas", srv.client()
+    one, two = step(state, seed=21), None
+    assert publish_like_miles(src, 1, state, one, "xor") == len(CHANGED)
+    r = http.post("/pull_weights", json={"source_dir": str(src), "target_version": 1})
+    assert r.status_code == 200 and r.json()["success"], r.text
+    two = step(one, seed=22)
+    publish_like_miles(src, 2, one, two, "overwrite")
+    r = http.post("/pull_weights", json={"source_dir": str(src), "target_version": 2})
+    assert r.status_code == 200 and r.json()["success"], r.text
+    assert label(srv) == "2"
+    for name in (*CHANGED, "model.embed_tokens.weight"):
+        assert torch.equal(served(srv, name), two[name].float()), name
+    assert not torch.equal(two["lm_head.weight"], state["lm_head.weight"])
+
+    publish_like_miles(src, 3, two, step(two, seed=23), "xor", corrupt=True)
+    r = http.post("/pull_weights", json={"source_dir": str(src), "target_version": 3})
+    assert "not valid zstd" in assert_error(r, 400, "validation_error")["message"]
+    assert label(srv) == "2" and torch.equal(served(srv, "lm_head.weight"), two["lm_head.weight"])
