@@ -210,11 +210,12 @@ class MemoryResponse(Struct, kw_only=True):
 
 class PullWeightsBody(Struct, kw_only=True):
     """/pull_weights (miles' disk-delta name): apply `source_dir/weight_v{target_version:06d}`,
-    a delta against the served weights, in place. grctl keeps no local checkpoint copy."""
+    a delta against the served weights, in place; or, with `local_checkpoint_dir`, onto that
+    host-local checkpoint (target_version 0 seeds it), writing no served weight."""
 
     source_dir: str | None = None
     target_version: Annotated[int, Meta(ge=0, le=999_999)] | None = None
-    local_checkpoint_dir: str | None = None  # miles sends it; grctl refuses it (see the docs)
+    local_checkpoint_dir: str | None = None  # miles' form: patch this checkpoint dir instead
     weight_version: Version = None  # the label after the delta; default str(target_version)
     flush_cache: bool = True
     abort_all_requests: bool = False

@@ -242,6 +242,13 @@ def _apply_one(st, sums, name, enc, algorithm, meta, cfg, params) -> torch.Tenso
     param = params[target.param_name]
     cur = param[target.row_start : target.row_end] if target.is_shard else param
     base = cur.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy()
+    out = decoded(st, sums, name, enc, algorithm, meta, base, cur.element_size())
+    return torch.from_numpy(out).view(cur.dtype).reshape(cur.shape)
+
+
+def decoded(st, sums, name, enc, algorithm, meta, base: np.ndarray, width: int) -> np.ndarray:
+    """One tensor of an open delta file applied onto `base` (its current bytes) and checked
+    against its final-state checksum: the new bytes, or a 400/409 before anything is written."""
     if name not in st.keys():
         raise ValidationError(f"delta file has no tensor {name!r} its index names")
     sl = st.get_slice(name)
@@ -251,7 +258,7 @@ def _apply_one(st, sums, name, enc, algorithm, meta, cfg, params) -> torch.Tenso
         raise ValidationError(f"delta of {name!r} is larger than any delta of its tensor")
     limit = 4 + 5 * base.size
     payload = _decompress(name, meta.get("compression_format"), st.get_tensor(name), limit)
-    out = decode(name, enc, payload, base, cur.element_size())
+    out = decode(name, enc, payload, base, width)
     if name not in sums:
         raise ValidationError(f"delta of {name!r} carries no checksum of its new state")
     if checksum(algorithm, out) != sums[name]:
@@ -260,7 +267,7 @@ def _apply_one(st, sums, name, enc, algorithm, meta, cfg, params) -> torch.Tenso
             "against other weights than the served ones, or it is corrupt",
             hint="nothing was written; sync a whole checkpoint, then deltas against it",
         )
-    return torch.from_numpy(out).view(cur.dtype).reshape(cur.shape)
+    return out
 
 
 def update_from_delta(

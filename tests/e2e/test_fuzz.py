@@ -329,9 +329,27 @@ def cases(root: Path) -> list[tuple[str, str, object]]:
         (
             "POST",
             "/pull_weights",
-            {"local_checkpoint_dir": "/x", "source_dir": "/y", "target_version": 0},
+            {"local_checkpoint_dir": "/x", "source_dir": "/y", "target_version": 0},  # 403
         ),
         ("POST", "/pull_weights", {"target_version": 1}),
+        # miles' local_checkpoint_dir: types, escapes, overlaps, foreign dirs, unseeded pulls
+        *[
+            ("POST", "/pull_weights", {"source_dir": str(root / "weights" / "pub"), **extra})
+            for extra in (
+                {"local_checkpoint_dir": 7, "target_version": 0},
+                {"local_checkpoint_dir": str(root / "weights" / ".." / "x"), "target_version": 0},
+                {"local_checkpoint_dir": "weights\x00/l", "target_version": 0},
+                {"local_checkpoint_dir": str(root / "weights"), "target_version": 0},
+                {"local_checkpoint_dir": str(root / "weights" / "base"), "target_version": 0},
+                {"local_checkpoint_dir": str(root / "weights" / "pub"), "target_version": 0},
+                {"local_checkpoint_dir": str(root / "weights" / "l"), "target_version": 3},
+                {
+                    "local_checkpoint_dir": str(root / "weights" / "l"),
+                    "target_version": 0,
+                    "weight_version": "x",
+                },  # fmt: skip
+            )
+        ],
         (
             "POST",
             "/pull_weights",

@@ -298,11 +298,11 @@ def test_p2p_lora_and_a_local_checkpoint_pull_are_refused_naming_what_to_use(srv
         "serialized_named_tensors": ["x"],
     }
     assert_error(post(url, "/load_lora_adapter_from_tensors", lora), 501, "not_supported")
-    # disk-delta (delta.py L127-168) pulls into a host-local checkpoint first: grctl applies
-    # deltas into the served weights and refuses local_checkpoint_dir, saying what to do.
-    pull = {"local_checkpoint_dir": "/x", "source_dir": "/y", "target_version": 0}
-    err = assert_error(post(url, "/pull_weights", pull), 400, "validation_error")
-    assert "local_checkpoint_dir" in err["message"]
+    # disk-delta (delta.py L127-168) pulls into a host-local checkpoint it seeded first
+    # (tests/e2e/test_miles_delta.py replays the flow): a pull into an unseeded one says so.
+    pull = {"local_checkpoint_dir": "/nonexistent-x", "source_dir": "/y", "target_version": 1}
+    err = assert_error(post(url, "/pull_weights", pull), 409, "conflict")
+    assert "no seeded checkpoint" in err["message"]
     # A route nobody serves is a 404 whatever the method (POST answered 405 before).
     assert_error(post(url, "/no_such_route", {}), 404, "not_found")
     assert_error(httpx.get(url + "/no_such_route"), 404, "not_found")

@@ -94,3 +94,71 @@ def test_miles_default_publication_applies(env):
     r = http.post("/pull_weights", json={"source_dir": str(src), "target_version": 3})
     assert "not valid zstd" in assert_error(r, 400, "validation_error")["message"]
     assert label(srv) == "2" and torch.equal(served(srv, "lm_head.weight"), two["lm_head.weight"])
+
+
+def test_miles_local_checkpoint_sequence(env):
+    """miles' exact disk-delta calls (miles/backends/megatron_utils/update_weight/
+    update_weight_from_distributed/delta.py, the bodies from miles/backends/sglang_utils/
+    sglang_engine.py): the pull patches the host-local checkpoint and writes no served weight;
+    the disk reload of that directory then serves the new checkpoint's own tensors."""
+    srv, root, state = env
+    http, pub, local = srv.client(), root / "miles-pub", root / "local-ckpt"
+    pub.mkdir()
+
+    def pull(version: int):  # sglang_engine.py:549-553 (SGLangEngine.pull_weights)
+        body = {"local_checkpoint_dir": str(local), "source_dir": str(pub),
+                "target_version": version}  # fmt: skip
+        return http.post("/pull_weights", json=body)
+
+    r = pull(0)  # delta.py:133 (_capture_baseline): materialise the base locally
+    assert r.status_code == 200 and r.json()["success"], r.text
+    assert torch.equal(load_file(str(local / "model.safetensors"))["lm_head.weight"],
+                       state["lm_head.weight"])  # fmt: skip
+    before_label, before = label(srv), served(srv, "lm_head.weight")
+    new = step(state, seed=31)
+    publish_like_miles(pub, 1, state, new, "xor")  # delta.py:228-238 (the index it writes)
+    r = pull(1)  # delta.py:250 (_reload_engines)
+    assert r.status_code == 200 and r.json()["tensors_loaded"] == len(CHANGED), r.text
+    # the pull wrote no served weight: label and tensors as they were
+    assert label(srv) == before_label and torch.equal(served(srv, "lm_head.weight"), before)
+    assert not list(local.glob(".*tmp*"))  # staged files were renamed into place
+    on_disk = load_file(str(local / "model.safetensors"))
+    for name in new:
+        assert torch.equal(on_disk[name], new[name]), name
+    # delta.py:252-262: pause (sglang_engine.py:626), flush (:452), reload, continue (:632)
+    assert http.post("/pause_generation", json={"mode": "retract"}).status_code == 200
+    assert http.get("/flush_cache").status_code == 200
+    r = http.post("/update_weights_from_disk",
+                  json={"model_path": str(local), "weight_version": "1"})  # fmt: skip
+    assert r.status_code == 200 and r.json()["success"], r.text
+    assert http.post("/continue_generation", json={}).status_code == 200
+    assert label(srv) == "1"
+    for name in (*CHANGED, "model.embed_tokens.weight"):
+        assert torch.equal(served(srv, name), new[name].float()), name
+
+    # refusals that change nothing: a replayed version (the base is now 1), a stale base
+    stamp = (local / "model.safetensors").stat().st_mtime_ns
+    r = pull(1)
+    assert r.status_code == 200 and r.json()["tensors_loaded"] == 0  # already at version 1
+    publish_like_miles(pub, 2, state, step(state, seed=32), "overwrite")  # against version 0 bytes
+    assert "does not match its checksum" in assert_error(pull(2), 409, "conflict")["message"]
+    assert (local / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+@pytest.mark.parametrize(
+    "body,status",
+    [
+        ({"local_checkpoint_dir": "/etc/x", "target_version": 0}, 403),
+        ({"local_checkpoint_dir": "", "target_version": 0}, 400),
+        ({"local_checkpoint_dir": "LOCAL", "target_version": 5}, 409),  # never seeded
+        ({"local_checkpoint_dir": "LOCAL", "target_version": 0, "weight_version": "x"}, 400),
+    ],
+)
+def test_local_checkpoint_refusals(env, body, status):
+    srv, root, _ = env
+    if body["local_checkpoint_dir"] == "LOCAL":
+        body["local_checkpoint_dir"] = str(root / "never-seeded")
+    body["source_dir"] = str(root / "miles-pub")
+    r = srv.client().post("/pull_weights", json=body)
+    assert r.status_code == status, r.text
+    assert not (root / "never-seeded").exists()

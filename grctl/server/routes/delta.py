@@ -1,15 +1,17 @@
-"""/pull_weights: a delta sync (miles' disk-delta name), applied onto the served weights.
+"""/pull_weights: a delta sync (miles' disk-delta name).
 
 The body names a source directory and a version; the server reads `weight_v{version:06d}` there
 (grctl/weights/delta.py: the layout, the encodings, the base and checksum checks) and applies it
-in place through the WeightUpdater, as any update. Off unless --allow-weight-update; the source
-must lie under --weights-root when one is set. miles' `local_checkpoint_dir` is refused: grctl
-keeps no host-local checkpoint to patch, so a reload of one after the pull would serve stale
-weights.
+in place through the WeightUpdater, as any update. With `local_checkpoint_dir` (miles' form) it
+writes no served weight: version 0 copies the served base checkpoint there, a later version is
+applied onto that directory's files (grctl/weights/local_checkpoint.py), and the caller reloads
+it with /update_weights_from_disk. Off unless --allow-weight-update; every path must lie under
+--weights-root when one is set.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -23,31 +25,41 @@ from grctl.server.exceptions import SGLANG_ERRORS
 from grctl.server.guards import checked_catalog_path, require_weights, weight_update_guard
 from grctl.server.offload import offload
 from grctl.server.routes.updates import update_response
-from grctl.weights import delta
+from grctl.weights import delta, local_checkpoint
+
+
+def confined(state: State, field: str, value: str, path: Path) -> Path:
+    if "\x00" in value:
+        raise ValidationError(f"{field} contains a NUL byte")
+    root = state.config.weights_root
+    if root is not None:
+        resolved, allowed = path.resolve(), Path(root).resolve()
+        if allowed not in resolved.parents:
+            raise Forbidden(
+                f"{field} {value!r} resolves outside the weights root",
+                hint=f"deltas may only be read and written under {str(allowed)!r} (--weights-root)",
+            )
+    return path
 
 
 def checked_source(state: State, body: PullWeightsBody) -> Path:
-    if body.local_checkpoint_dir is not None:
-        raise ValidationError(
-            "local_checkpoint_dir: grctl applies the delta into the served weights and keeps "
-            "no local checkpoint",
-            hint="omit local_checkpoint_dir and skip the update_weights_from_disk reload that "
-            "follows a pull in miles",
-        )
     if not body.source_dir or body.target_version is None:
         raise ValidationError("source_dir and target_version are required")
-    if "\x00" in body.source_dir:
-        raise ValidationError("source_dir contains a NUL byte")
     vdir = delta.version_dir(body.source_dir, body.target_version)
-    root = state.config.weights_root
-    if root is not None:
-        resolved, allowed = vdir.resolve(), Path(root).resolve()
-        if allowed not in resolved.parents:
-            raise Forbidden(
-                f"source_dir {body.source_dir!r} resolves outside the weights root",
-                hint=f"deltas may only be read under {str(allowed)!r} (--weights-root)",
+    return confined(state, "source_dir", body.source_dir, vdir)
+
+
+def checked_local(state: State, body: PullWeightsBody) -> Path:
+    if not body.local_checkpoint_dir:
+        raise ValidationError("local_checkpoint_dir must be a non-empty path")
+    for name in ("weight_version", "catalog_path", "token_step"):
+        if getattr(body, name) is not None:
+            raise ValidationError(
+                f"{name} with local_checkpoint_dir: the pull writes no served weight",
+                hint=f"send {name} with the /update_weights_from_disk that loads the directory",
             )
-    return vdir
+    local = Path(body.local_checkpoint_dir)
+    return confined(state, "local_checkpoint_dir", body.local_checkpoint_dir, local)
 
 
 @post(
@@ -60,6 +72,8 @@ async def pull_weights(
 ) -> UpdateWeightsResponse:
     body = data or PullWeightsBody()
     vdir = checked_source(state, body)
+    if body.local_checkpoint_dir is not None:
+        return await pull_into_local(state, body, checked_local(state, body), vdir)
     require_weights(state)
     label = version_str(body.weight_version)
     outcome = await offload(
@@ -75,6 +89,29 @@ async def pull_weights(
     )
     return update_response(
         state, outcome, "Succeeded to apply the weight delta.", str(vdir), transport="delta"
+    )
+
+
+async def pull_into_local(
+    state: State, body: PullWeightsBody, local: Path, vdir: Path
+) -> UpdateWeightsResponse:
+    base = state.config.engine.model_path
+    if not base:
+        raise ValidationError(
+            "local_checkpoint_dir needs a served checkpoint directory to seed from",
+            hint="start the server with --model-path DIR",
+        )
+    t0 = time.perf_counter()
+    versions, tensors = await offload(
+        state, local_checkpoint.pull, local, vdir.parent, body.target_version, Path(base)
+    )
+    what = "seeded" if body.target_version == 0 else f"{versions} version(s) applied to"
+    return UpdateWeightsResponse(
+        success=True,
+        message=f"Succeeded: local checkpoint {what} at version {body.target_version}.",
+        tensors_loaded=tensors,
+        model_dir=str(local),
+        elapsed_ms=(time.perf_counter() - t0) * 1000,
     )
 
 
