@@ -56,7 +56,7 @@ def rollout(args, vocab: int) -> list[GenerateRequest]:
 
 def run(engine: Engine, reqs: list[GenerateRequest]) -> tuple[float, list]:
     """Every request submitted, the engine stepped in this thread until idle."""
-    engine.clear_prefill_cache()
+    engine.cache.clear()
     t0 = time.perf_counter()
     rids = [engine.submit(r) for r in reqs]
     while engine.run_step():

@@ -63,7 +63,7 @@ def measure(
         eng.start()
 
     def with_cache():
-        cached.clear_prefill_cache()  # each run computes the shared prefix once, as a first would
+        cached.cache.clear()  # each run computes the shared prefix once, as a first would
         return cached.generate_many(reqs)
 
     times, outs = interleaved({"cached": with_cache, "uncached": lambda: plain.generate_many(reqs)},

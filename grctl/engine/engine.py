@@ -1,8 +1,9 @@
 """Engine: the generation API the server calls, composed of its parts.
 
 Requests are submitted, polled, fetched and cancelled here; pause, the exclusive section of a
-weight write, the weights' state the weights side reports, the cache flush and memory moves
-are decided here, each holding the Gate (gate.py). The Worker (worker.py) runs the steps.
+weight write, what the weights side reports it wrote, the cache flush and memory moves are
+decided here, each holding the Gate (gate.py), which callers read for the weights' state. The
+Worker (worker.py) runs the steps; status.py reports them, catalog_swap.py installs a catalog.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from grctl.engine import prompt_logprobs
+from grctl.engine import prompt_logprobs, status
 from grctl.engine.context_attention import InvariantContext
 from grctl.engine.executor import Executor
 from grctl.engine.gate import PAUSE_MODES, Gate
@@ -28,7 +29,13 @@ from grctl.engine.results import ResultStore
 from grctl.engine.scheduler import Scheduler
 from grctl.engine.sequence import Sequence
 from grctl.engine.stats import EngineStats
-from grctl.engine.validation import excluded_of, item_start_of, stop_ids_of, validate_request
+from grctl.engine.validation import (
+    context_limit,
+    excluded_of,
+    item_start_of,
+    stop_ids_of,
+    validate_request,
+)
 from grctl.engine.worker import Worker
 from grctl.errors import (
     Conflict,
@@ -37,34 +44,15 @@ from grctl.errors import (
     NotFound,
     Overloaded,
     ValidationError,
-    WeightsInconsistent,
-    WeightsMixed,
 )
 from grctl.model.device import resolve_device
-from grctl.model.dtypes import name_of
 from grctl.model.qwen3 import Qwen3ForCausalLM
 
 if TYPE_CHECKING:
-    from grctl.catalog.store import Catalog, CatalogStore
+    from grctl.catalog.store import CatalogStore
     from grctl.engine.config import EngineConfig
 
 log = logging.getLogger("grctl.engine")
-
-
-def context_limit(asked: int, model_config) -> int:
-    """--max-context-len (0: the checkpoint's own limit), never past the positions the
-    checkpoint covers: max_position_embeddings, or its RoPE scaling's window (original x
-    factor) when that is longer. SGLang refuses a longer context the same way."""
-    limit, rope = model_config.max_position_embeddings, model_config.rope
-    if rope.rope_type != "default":
-        limit = max(limit, int(rope.original_max_position_embeddings * rope.factor))
-    if asked > limit:
-        raise ValidationError(
-            f"--max-context-len {asked} is longer than the checkpoint's {limit} positions "
-            f"(max_position_embeddings {model_config.max_position_embeddings})",
-            hint=f"pass --max-context-len {limit} or less, or 0 for the checkpoint's own limit",
-        )
-    return asked or limit
 
 
 class Engine:
@@ -135,7 +123,7 @@ class Engine:
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
-        if self.is_worker_alive:
+        if self.gate.worker_alive:
             return
         if self.config.cuda_graph and self.device.type == "cuda" and self.runner.graphs is None:
             try:
@@ -150,30 +138,6 @@ class Engine:
 
     def run_step(self) -> bool:
         return self.worker.run_step()
-
-    @property
-    def is_worker_alive(self) -> bool:
-        return self.gate.worker_alive
-
-    @property
-    def is_paused(self) -> bool:
-        return self.gate.is_paused
-
-    @property
-    def pause_mode(self) -> str | None:
-        return self.gate.pause_mode
-
-    @property
-    def weight_version(self) -> str:
-        return self.gate.label
-
-    @property
-    def is_weights_mixed(self) -> bool:
-        return self.gate.is_mixed
-
-    @property
-    def is_weights_consistent(self) -> bool:
-        return self.gate.is_consistent
 
     # ---- requests -----------------------------------------------------------------------
     def submit(self, req: GenerateRequest) -> str:
@@ -348,14 +312,6 @@ class Engine:
         """Leave the pause; refused (409, still paused) while the weights are mixed or torn."""
         self.gate.resume()
 
-    def mixed_error(self, cls: type[WeightsMixed] = WeightsMixed) -> WeightsMixed:
-        return self.gate.mixed_error(cls)
-
-    def torn_error(
-        self, cls: type[WeightsInconsistent] = WeightsInconsistent
-    ) -> WeightsInconsistent:
-        return self.gate.torn_error(cls)
-
     def require_weights(self, what: str) -> None:
         """MemoryReleased (503) while /release_memory_occupation holds the weights on the host
         (decided for good by whoever holds `weight_ops`)."""
@@ -367,7 +323,7 @@ class Engine:
     def exclusive(self, abort_all_requests: bool = False) -> Iterator[int]:
         """No model step runs inside (submits still queue). Yields the number aborted."""
         with self.gate:
-            if self.scheduler.num_in_flight and not self.is_paused and not abort_all_requests:
+            if self.scheduler.num_in_flight and not self.gate.is_paused and not abort_all_requests:
                 raise Conflict(
                     "requests are in flight",
                     hint="call /pause_generation first (mode=abort) "
@@ -401,39 +357,6 @@ class Engine:
             self.gate.relabel(label, mix)
             return num_aborted
 
-    # ---- the catalog that goes with the weights -----------------------------------------
-    def install_catalog(self, catalog: Catalog, with_weights: bool) -> tuple[Catalog, int]:
-        """Serve `catalog` from the next step on, labelled with the weights' version (holding
-        the gate: a request queued from now on takes it). `with_weights`: it came with a weight
-        write, so a request in flight under an older catalog would go on with the new weights
-        and the old catalog: each ends (finish_reason abort). A plain reload leaves them on
-        their own version. Clears a catalog fault. -> (the installed catalog, how many
-        ended)."""
-        with self.gate:
-            ended = 0
-            if with_weights:
-                for seq in self.scheduler.all_sequences():
-                    if seq.catalog is not None:
-                        self.worker.abort(seq)
-                        ended += 1
-            installed = self.catalogs.install(catalog, self.gate.label)
-            self.gate.catalog_fault = self.gate.catalog_pending = None
-            self.gate.notify()
-            return installed, ended
-
-    def catalog_failed(self, why: str) -> None:
-        """The weights were written but their catalog is not served: refuse until it is."""
-        with self.gate:
-            self.gate.catalog_fault, self.gate.catalog_pending = why, None
-            self.gate.notify()
-
-    def hold_for_catalog(self, what: str | None) -> None:
-        """A session carries the weights' catalog (`what` describes it): nothing computes or
-        is admitted until it is installed; None lets go."""
-        with self.gate:
-            self.gate.catalog_pending = what
-            self.gate.notify()
-
     def flush_cache(self, timeout: float = 0.0) -> tuple[bool, int]:
         """Clear the prefix cache if no request holds KV or is computing (waits up to timeout)."""
         with self.gate:
@@ -441,9 +364,6 @@ class Engine:
                 lambda: not self.gate.is_computing and not self.scheduler.running, timeout
             )
             return (True, self.cache.clear()) if idle else (False, 0)
-
-    def clear_prefill_cache(self) -> int:
-        return self.cache.clear()
 
     # ---- memory (verl's colocated rollout) ----------------------------------------------
     def release_memory(self, tags: list[str] | None = None) -> list[str]:
@@ -465,37 +385,4 @@ class Engine:
 
     def status(self) -> dict:
         """/status, less "weights" and "catalog" (their owners report them)."""
-        cfg, gate, stats = self.config, self.gate, self.stats
-        with gate:
-            graphs = self.runner.graphs
-            return {
-                "scheduler": {
-                    **self.scheduler.stats(),
-                    "finished": stats.num_finished,
-                    "retained_results": len(self.results),
-                    "evicted_results": self.results.num_evicted,
-                    "paused": gate.is_paused,
-                    "pause_mode": gate.pause_mode,
-                    "steps": stats.num_steps,
-                    **self.executor.stats(),
-                    "avg_step_ms": stats.avg_step_ms,
-                    "last_step_ms": stats.last_step_ms,
-                    "max_running_requests": cfg.max_running_requests,
-                    "max_waiting_requests": cfg.max_waiting_requests,
-                    "prefill_token_budget": cfg.prefill_token_budget,
-                },
-                "requests": stats.requests(),
-                "prefill_cache": self.cache.stats(),
-                "engine": {
-                    "device": str(self.device),
-                    "dtype": name_of(self.runner.dtype),
-                    "worker_alive": gate.worker_alive,
-                    "weight_version": gate.label,
-                    "weights_consistent": gate.is_consistent,
-                    "cuda_graph": graphs.stats() if graphs is not None else {"enabled": False},
-                    "memory": self.memory.stats(),
-                    "errors": stats.num_errors,
-                    "last_error": stats.last_error,
-                    "uptime_s": time.time() - stats.started_at,
-                },
-            }
+        return status.snapshot(self)

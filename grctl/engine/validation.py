@@ -211,3 +211,19 @@ def stop_ids_of(req: GenerateRequest, cfg: ModelConfig) -> tuple[int, ...]:
     if req.sampling.ignore_eos:
         return ()
     return tuple(dict.fromkeys((*cfg.eos_token_ids, *req.sampling.stop_token_ids)))
+
+
+def context_limit(asked: int, model_config) -> int:
+    """--max-context-len (0: the checkpoint's own limit), never past the positions the
+    checkpoint covers: max_position_embeddings, or its RoPE scaling's window (original x
+    factor) when that is longer. SGLang refuses a longer context the same way."""
+    limit, rope = model_config.max_position_embeddings, model_config.rope
+    if rope.rope_type != "default":
+        limit = max(limit, int(rope.original_max_position_embeddings * rope.factor))
+    if asked > limit:
+        raise ValidationError(
+            f"--max-context-len {asked} is longer than the checkpoint's {limit} positions "
+            f"(max_position_embeddings {model_config.max_position_embeddings})",
+            hint=f"pass --max-context-len {limit} or less, or 0 for the checkpoint's own limit",
+        )
+    return asked or limit

@@ -41,7 +41,7 @@ def serve(config: ServeConfig) -> None:
     app = create_app(engine, config)
     if config.catalog is not None:
         catalog = engine.catalogs.load(
-            config.catalog, confine=False, weight_version=engine.weight_version
+            config.catalog, confine=False, weight_version=engine.gate.label
         )
         log.info(
             "catalog %s: %d items, version %d", config.catalog, len(catalog.ids), catalog.version
@@ -88,7 +88,7 @@ class GrctlServer(uvicorn.Server):
         self.engine = engine
 
     def handle_exit(self, sig, frame) -> None:
-        if self.engine.is_paused:
+        if self.engine.gate.is_paused:
             # Not in the signal handler itself: the engine's lock may be held by this thread.
             threading.Thread(target=self.engine.abort_all, daemon=True).start()
         super().handle_exit(sig, frame)

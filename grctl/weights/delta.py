@@ -202,7 +202,7 @@ def plan_delta(updater: WeightUpdater, vdir: Path):
     meta = index["metadata"]
     versions = updater.versions
     base = str(meta.get("base_version"))
-    if versions.is_mixed or not updater.engine.is_weights_consistent:
+    if versions.is_mixed or not updater.engine.gate.is_consistent:
         raise Conflict(
             "the served weights are mixed or torn: no delta has them as its base",
             hint="sync a whole checkpoint first (update_weights_from_disk or a full push)",

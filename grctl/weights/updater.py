@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
+from grctl.engine import catalog_swap
 from grctl.errors import (
     Conflict,
     InternalError,
@@ -135,7 +136,7 @@ class WeightUpdater:
                 raise
             flushed = False
             if flush_cache:
-                self.engine.clear_prefill_cache()
+                self.engine.cache.clear()
                 flushed = True
             elapsed_ms = (time.perf_counter() - t0) * 1000.0
             self.versions.record(
@@ -169,13 +170,13 @@ class WeightUpdater:
         refusing to serve, and is raised saying so."""
         try:
             _hook("weights_written", path)
-            return self.engine.install_catalog(catalog, with_weights=True)
+            return catalog_swap.install(self.engine, catalog, with_weights=True)
         except Exception as exc:
             why = (
                 f"the weights of version {self.versions.current!r} were written but their "
                 f"catalog {path!r} could not be installed ({exc})"
             )
-            self.engine.catalog_failed(why)
+            catalog_swap.failed(self.engine, why)
             raise InternalError(
                 f"{why}; generation is refused until a catalog is installed",
                 hint="sync again with catalog_path, or POST /catalog/reload",
@@ -215,7 +216,7 @@ class WeightUpdater:
             if catalog_path is not None:
                 self._session_catalog = (self.engine.catalogs.build(catalog_path), catalog_path)
                 _hook("catalog_built", catalog_path)
-                self.engine.hold_for_catalog(f"catalog {catalog_path!r}")
+                catalog_swap.hold(self.engine, f"catalog {catalog_path!r}")
             self._session_open = True
 
     def end_session(self) -> str:
@@ -229,15 +230,16 @@ class WeightUpdater:
             self._session_open = False
             held, self._session_catalog = self._session_catalog, None
             refusal = None
-            if self.engine.is_weights_mixed:
-                refusal = self.engine.mixed_error(WeightsMixedConflict)
-            elif not self.engine.is_weights_consistent:
-                refusal = self.engine.torn_error(WeightsInconsistentConflict)
+            if self.engine.gate.is_mixed:
+                refusal = self.engine.gate.mixed_error(WeightsMixedConflict)
+            elif not self.engine.gate.is_consistent:
+                refusal = self.engine.gate.torn_error(WeightsInconsistentConflict)
             if refusal is not None:
                 if held is not None:
-                    self.engine.catalog_failed(
+                    catalog_swap.failed(
+                        self.engine,
                         f"the weight update session ended with its weights unfinished, so its "
-                        f"catalog {held[1]!r} was not installed"
+                        f"catalog {held[1]!r} was not installed",
                     )
                 raise refusal
             message = f"weight update session ended; {self.versions.describe_mix()}"

@@ -81,7 +81,7 @@ def test_the_default_mode_is_not_batch_invariant(model):
     reqs = [mixed(i) for i in range(17)]
     plain = Engine(model, EngineConfig())
     alone = [signature(run_requests(plain, [r])[0]) for r in reqs]
-    plain.clear_prefill_cache()
+    plain.cache.clear()
     batch = [signature(r) for r in run_requests(plain, reqs)]
     assert batch != alone
 

@@ -142,7 +142,7 @@ def test_inconsistent_weights_refuse_generation(model):
     queued = eng.submit(req())
     with eng.exclusive(abort_all_requests=True):
         eng.weights_written(None, mix=None, torn="1 tensors hold bytes of a failed copy: x")
-    assert not eng.is_weights_consistent and eng.weight_version == "default"
+    assert not eng.gate.is_consistent and eng.gate.label == "default"
     assert "weights_inconsistent" in eng.ready_reasons()
     assert eng.status()["engine"]["weights_consistent"] is False
     with pytest.raises(WeightsInconsistent):
@@ -238,13 +238,13 @@ def test_generate_timeout_cancels(model):
 
 def test_paused_refuses_submit(model):
     eng = make(model)
-    assert eng.pause("in_place") == 0 and eng.is_paused and eng.pause_mode == "in_place"
+    assert eng.pause("in_place") == 0 and eng.gate.is_paused and eng.gate.pause_mode == "in_place"
     with pytest.raises(Paused):
         eng.submit(req())
     with pytest.raises(ValidationError):
         eng.pause("sideways")
     eng.resume()
-    assert not eng.is_paused and eng.pause_mode is None
+    assert not eng.gate.is_paused and eng.gate.pause_mode is None
     eng.submit(req())
 
 

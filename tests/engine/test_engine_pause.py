@@ -165,7 +165,7 @@ def test_pause_gives_up_when_the_step_does_not_end(model):
         eng.pause("abort")
     assert time.monotonic() - t0 < 5
     assert (err.value.status, err.value.code, err.value.retryable) == (503, "pause_timeout", True)
-    assert eng.is_paused and eng.num_in_flight() == 1  # paused, nothing aborted yet
+    assert eng.gate.is_paused and eng.num_in_flight() == 1  # paused, nothing aborted yet
     with eng.gate:
         eng.gate.is_computing = False  # the step ends after all: a second pause goes through
     assert eng.pause("abort") == 1
@@ -183,7 +183,7 @@ def test_a_dead_worker_refuses_requests(model):
     eng.start()
     eng.submit(requests()[0])  # wakes the worker, which dies on it
     eng.worker._thread.join(5)
-    assert not eng.is_worker_alive
+    assert not eng.gate.worker_alive
     with pytest.raises(NotReady, match="worker") as err:
         eng.submit(requests()[1])
     assert (err.value.status, err.value.code, err.value.retryable) == (503, "not_ready", True)

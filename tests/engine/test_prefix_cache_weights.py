@@ -105,7 +105,7 @@ def test_after_every_weight_write_a_shared_prefix_is_computed_again(kind):
     plain = Engine(ours, EngineConfig(enable_prefill_cache=False))
     for suffix, cached in (((4, 5), 0), ((6,), len(SHARED))):
         got, want = run(eng, SHARED + suffix), run(plain, SHARED + suffix)
-        assert got.cached_tokens == cached and got.weight_versions == [eng.weight_version]
+        assert got.cached_tokens == cached and got.weight_versions == [eng.gate.label]
         assert beams(got) == beams(want)
         for a, b in zip(got.beams, want.beams, strict=True):
             assert a.sequence_score == pytest.approx(b.sequence_score, abs=1e-4)

@@ -111,7 +111,7 @@ def test_prompt_and_continuation_generate_as_usual(pair, engine):
     """Scored and generating: the continuation is the one the unscored request gets."""
     ids = prompt(15, 3)
     want = run_requests(engine, [GenerateRequest(ids, SamplingParams(max_new_tokens=4))])[0]
-    engine.clear_prefill_cache()
+    engine.cache.clear()
     (res,) = run_requests(engine, [scoring(ids, 2, max_new_tokens=4)])
     assert res.output_ids == want.output_ids and res.finish_reason == "length"
     check(pair[0], ids, 2, res.prompt_logprobs)

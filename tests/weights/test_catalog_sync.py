@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from grctl.catalog.store import CatalogStore
+from grctl.engine import catalog_swap
 from grctl.engine.config import EngineConfig
 from grctl.engine.engine import Engine
 from grctl.engine.request import GenerateRequest, SamplingParams
@@ -105,7 +106,7 @@ def test_a_bad_catalog_refuses_the_whole_sync(setup):
     )
     with pytest.raises(ValidationError, match="line 2"):
         update_from_disk(updater, str(ckpts["b"]), weight_version="b", catalog_path=str(bad))
-    assert engine.catalogs.current is before and engine.weight_version == "a"
+    assert engine.catalogs.current is before and engine.gate.label == "a"
     assert weights_equal(engine, ckpts["a"]) and reasons(engine) == []
 
 
@@ -123,7 +124,7 @@ def test_a_fault_at_each_step(setup, step):
     if step == "catalog_built":  # before any weight: nothing changes
         with pytest.raises(RuntimeError):
             update_from_disk(updater, str(ckpts["b"]), weight_version="b", catalog_path=path)
-        assert weights_equal(engine, ckpts["a"]) and engine.weight_version == "a"
+        assert weights_equal(engine, ckpts["a"]) and engine.gate.label == "a"
         assert engine.catalogs.current is before and reasons(engine) == []
         return
     # after the weights: they are b's, the catalog a's, and nothing is served until it is b's
@@ -138,7 +139,7 @@ def test_a_fault_at_each_step(setup, step):
     with pytest.raises(WeightsInconsistentConflict):
         engine.resume()
     updater_mod.sync_hooks.clear()
-    engine.install_catalog(engine.catalogs.build(path), with_weights=False)  # /catalog/reload
+    catalog_swap.install(engine, engine.catalogs.build(path), with_weights=False)  # /catalog/reload
     engine.resume()
     assert reasons(engine) == [] and item_of(engine) in items["b"]
     assert engine.catalogs.current.weight_version == "b"

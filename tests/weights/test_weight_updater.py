@@ -100,7 +100,7 @@ def test_validation_failure_changes_nothing_and_counts_nothing(setup):
         )
     for n, p in engine.model.named_parameters():
         assert torch.equal(p, before[n])
-    assert updater.versions.update_count == 0 and engine.weight_version == "default"
+    assert updater.versions.update_count == 0 and engine.gate.label == "default"
     assert greedy(engine) == hf_generate(a, list(PROMPT))
 
 
@@ -135,5 +135,5 @@ def test_release_updates_and_reads_take_turns(setup, monkeypatch):
     assert engine.memory.released == frozenset({"weights"})
     engine.resume_memory(["weights"])
     engine.resume()
-    assert updater.versions.current == "default" and engine.weight_version == "default"
+    assert updater.versions.current == "default" and engine.gate.label == "default"
     assert greedy(engine) == hf_generate(a, list(PROMPT))  # the label's weights: a's

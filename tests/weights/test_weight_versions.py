@@ -72,7 +72,7 @@ def test_a_q_proj_only_chunk_labels_only_its_rows(model):
     labels = updater.versions.labels()
     assert labels[q] == "B" and labels["model.layers.0.self_attn.k_proj.weight"] == "A"
     assert updater.versions.label_counts() == {"A": NUM_TENSORS - 1, "B": 1}
-    assert engine.is_weights_mixed and "weights_mixed" in engine.ready_reasons()
+    assert engine.gate.is_mixed and "weights_mixed" in engine.ready_reasons()
     with pytest.raises(WeightsMixed) as refused:
         engine.submit(req())
     assert refused.value.status == 503 and f"{NUM_TENSORS - 1} carry version 'A'" in str(
@@ -81,14 +81,14 @@ def test_a_q_proj_only_chunk_labels_only_its_rows(model):
     engine.pause("abort")
     with pytest.raises(WeightsMixedConflict):
         engine.resume()
-    assert engine.is_paused  # refused: still paused
+    assert engine.gate.is_paused  # refused: still paused
     # A fused name (load_format direct) covers q, k and v at once.
     fused = "layers.0.self_attn.qkv_proj.weight"
     qkv = model.layers[0].self_attn.qkv_proj.weight.detach().clone()
     push(updater, [(fused, qkv)], "B", direct=True)
     assert updater.versions.label_counts()["B"] == 3
     updater.set_version("B")
-    assert not engine.is_weights_mixed
+    assert not engine.gate.is_mixed
     engine.resume()
     assert engine.submit(req())
 
@@ -97,12 +97,12 @@ def test_unlabelled_updates_keep_labels_and_empty_ones_only_move_the_label(model
     engine, updater = serve(model, weight_version="A")
     name = "model.norm.weight"
     push(updater, [(name, hf_tensor(engine, name))], None)  # SGLang's unlabelled single update
-    assert updater.versions.label_counts() == {"A": NUM_TENSORS} and not engine.is_weights_mixed
+    assert updater.versions.label_counts() == {"A": NUM_TENSORS} and not engine.gate.is_mixed
     assert updater.versions.update_count == 1
     # tied lm_head lands in the embedding: the embedding's label moves
     push(updater, [("lm_head.weight", hf_tensor(engine, "model.embed_tokens.weight"))], "C")
     assert updater.versions.labels()["model.embed_tokens.weight"] == "C"
-    assert engine.weight_version == "C"
+    assert engine.gate.label == "C"
 
 
 def test_a_full_update_labels_every_tensor():
@@ -116,7 +116,7 @@ def test_a_full_update_labels_every_tensor():
 def test_allow_partial_updates_serves_a_mix(model):
     engine, updater = serve(model, weight_version="A", allow_partial_updates=True)
     push(updater, [("model.norm.weight", hf_tensor(engine, "model.norm.weight"))], "B")
-    assert updater.versions.is_mixed and not engine.is_weights_mixed
+    assert updater.versions.is_mixed and not engine.gate.is_mixed
     assert engine.ready_reasons() == ["worker_not_running"]
     rid = engine.submit(req())
     while engine.run_step():
@@ -172,14 +172,14 @@ def test_a_torn_mark_stays_until_that_tensor_is_written_again(model):
     assert info["weights_mixed"] is False and info["label_counts"] == {"A": NUM_TENSORS}
 
     def refused() -> None:
-        assert not engine.is_weights_consistent and "weights_inconsistent" in engine.ready_reasons()
+        assert not engine.gate.is_consistent and "weights_inconsistent" in engine.ready_reasons()
         with pytest.raises(WeightsInconsistent) as err:
             engine.submit(req())
         assert err.value.status == 503 and names[0] in str(err.value)
         engine.pause("abort")
         with pytest.raises(WeightsInconsistentConflict) as err:
             engine.resume()
-        assert err.value.status == 409 and engine.is_paused  # still paused
+        assert err.value.status == 409 and engine.gate.is_paused  # still paused
 
     refused()
     push(updater, [], "v2")  # slime's empty alignment bucket, labelled
@@ -190,7 +190,7 @@ def test_a_torn_mark_stays_until_that_tensor_is_written_again(model):
     assert updater.versions.torn() == [names[0]]
     refused()
     push(updater, [(names[0], named[0][1])], None)  # that tensor written again, even unlabelled
-    assert updater.versions.torn() == [] and engine.is_weights_consistent
+    assert updater.versions.torn() == [] and engine.gate.is_consistent
     engine.resume()
     assert engine.submit(req())
 
@@ -229,7 +229,7 @@ def test_a_failed_checkpoint_copy_tears_every_tensor_it_changed(model, tmp_path)
     assert changed and changed <= torn and len(torn) < NUM_TENSORS
     assert "weights_inconsistent" in engine.ready_reasons()
     update_from_disk(updater, str(path), weight_version="B")
-    assert updater.versions.torn() == [] and engine.is_weights_consistent
+    assert updater.versions.torn() == [] and engine.gate.is_consistent
 
 
 def test_torn_marks_are_per_hf_tensor_and_survive_relabels():

@@ -14,6 +14,7 @@ from litestar import Router, get, post
 from litestar.datastructures import State
 from litestar.params import Body
 
+from grctl.engine import catalog_swap
 from grctl.protocol.catalog import CatalogReloadBody, CatalogStatus
 from grctl.server.guards import catalog_reload_guard
 from grctl.server.offload import offload
@@ -39,7 +40,7 @@ async def catalog_reload(
     engine = state.engine
     path = engine.catalogs.checked_path((data or CatalogReloadBody()).path)
     catalog = await offload(state, engine.catalogs.build, path)
-    engine.install_catalog(catalog, with_weights=False)  # labelled with the weights served
+    catalog_swap.install(engine, catalog, with_weights=False)  # labelled with the weights served
     return status_of(state)
 
 

@@ -48,8 +48,8 @@ async def ready(state: State) -> Response[ReadyResponse]:
     body = ReadyResponse(
         ready=not reasons,
         reasons=reasons,
-        paused=engine.is_paused,
-        weight_version=engine.weight_version,
+        paused=engine.gate.is_paused,
+        weight_version=engine.gate.label,
         num_in_flight=engine.num_in_flight(),
     )
     return Response(body, status_code=503 if reasons else 200)
@@ -103,7 +103,7 @@ async def server_info(state: State, request: Request) -> ServerInfo:
     param = next(model.parameters())
     return ServerInfo(
         model_path=state.model_path,
-        weight_version=state.engine.weight_version,
+        weight_version=state.engine.gate.label,
         host=served_host(state, request),
         port=state.config.port,
         base_gpu_id=param.device.index or 0,
@@ -138,7 +138,7 @@ async def model_info(state: State) -> ModelInfo:
     return ModelInfo(
         model_path=state.model_path,
         served_model_name=served_model_name(state),
-        weight_version=state.engine.weight_version,
+        weight_version=state.engine.gate.label,
         tokenizer_path=state.model_path if state.tokenizer is not None else None,
         vocab_size=state.engine.model.config.vocab_size,
         model_config=state.engine.model.config.to_hf(),
@@ -187,7 +187,7 @@ async def flush(state: State, timeout: float | None) -> Response[FlushCacheRespo
         return Response(body, status_code=200)
     busy = CacheBusy(
         "cannot flush the cache while requests hold KV or are being computed",
-        hint=flush_hint(state.engine.pause_mode),
+        hint=flush_hint(state.engine.gate.pause_mode),
     )
     body = StrictFlushCacheResponse(success=False, message=str(busy), error=busy.to_dict())
     return Response(body, status_code=400)

@@ -203,7 +203,7 @@ def checksum_response(state: State, sums: dict[str, dict]) -> StrictWeightsCheck
     return StrictWeightsCheckerResponse(
         success=True,
         message="Success.",
-        weight_version=state.engine.weight_version,
+        weight_version=state.engine.gate.label,
         algorithm=checker.ALGORITHM,
         tensors={k: TensorChecksum(**v) for k, v in sums.items()},
         ranks=[rank],
