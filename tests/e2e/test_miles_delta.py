@@ -162,3 +162,24 @@ def test_local_checkpoint_refusals(env, body, status):
     r = srv.client().post("/pull_weights", json=body)
     assert r.status_code == status, r.text
     assert not (root / "never-seeded").exists()
+
+
+def test_local_checkpoint_catches_up_over_several_versions(env):
+    """A pull to N from a directory at N-2 applies both versions in order (each against the
+    previous one's bytes); the served weights stay as they were."""
+    srv, root, state = env
+    http, pub, local = srv.client(), root / "chain-pub", root / "chain-local"
+    pub.mkdir()
+    body = {"local_checkpoint_dir": str(local), "source_dir": str(pub)}
+    assert http.post("/pull_weights", json={**body, "target_version": 0}).status_code == 200
+    one = step(state, seed=41)
+    two = step(one, seed=42)
+    publish_like_miles(pub, 1, state, one, "overwrite")
+    publish_like_miles(pub, 2, one, two, "xor")
+    before = label(srv), served(srv, "model.norm.weight")
+    r = http.post("/pull_weights", json={**body, "target_version": 2})
+    assert r.status_code == 200 and r.json()["tensors_loaded"] == 2 * len(CHANGED), r.text
+    on_disk = load_file(str(local / "model.safetensors"))
+    assert all(torch.equal(on_disk[k], two[k]) for k in two)
+    assert label(srv) == before[0]
+    assert torch.equal(served(srv, "model.norm.weight"), before[1])
