@@ -22,10 +22,11 @@ from tests.support.serverproc import assert_error, running_server
 CHANGED = ("model.layers.0.mlp.up_proj.weight", "model.norm.weight", "lm_head.weight")
 
 
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    root = tmp_path_factory.mktemp("delta")
-    base = write_checkpoint(root / "base", seed=3)
+def serve_base(tmp_path_factory, name: str, seed: int):
+    """A server on a random base checkpoint labelled 0, --weights-root over its folder:
+    yields (server, root, the base's tensors)."""
+    root = tmp_path_factory.mktemp(name)
+    base = write_checkpoint(root / "base", seed=seed)
     state = load_file(str(base / "model.safetensors"))
     with running_server(
         "--allow-weight-update",
@@ -37,6 +38,11 @@ def env(tmp_path_factory):
         "0",
     ) as srv:
         yield srv, root, state
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    yield from serve_base(tmp_path_factory, "delta", 3)
 
 
 def served(srv, name: str) -> torch.Tensor:

@@ -15,9 +15,8 @@ import torch
 from safetensors.numpy import save
 from safetensors.torch import load_file
 
-from tests.e2e.test_delta_sync import CHANGED, label, served, step
-from tests.support.checkpoints import write_checkpoint
-from tests.support.serverproc import assert_error, running_server
+from tests.e2e.test_delta_sync import CHANGED, label, serve_base, served, step
+from tests.support.serverproc import assert_error
 
 zstandard = pytest.importorskip("zstandard")
 xxhash = pytest.importorskip("xxhash")
@@ -57,19 +56,7 @@ def publish_like_miles(root, version: int, old: dict, new: dict, encoding: str, 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    root = tmp_path_factory.mktemp("miles-delta")
-    base = write_checkpoint(root / "base", seed=4)
-    state = load_file(str(base / "model.safetensors"))
-    with running_server(
-        "--allow-weight-update",
-        "--model-path",
-        str(base),
-        "--weights-root",
-        str(root),
-        "--weight-version",
-        "0",
-    ) as srv:
-        yield srv, root, state
+    yield from serve_base(tmp_path_factory, "miles-delta", 4)
 
 
 def test_miles_default_publication_applies(env):

@@ -17,24 +17,13 @@ from grctl.engine.config import EngineConfig
 from grctl.engine.engine import Engine
 from grctl.engine.request import GenerateRequest, SamplingParams
 from grctl.engine.search.logits_processors import parse_logits_processors
+from tests.support.catalogs import TWO_LENGTH_ITEMS
 from tests.support.engines import run_requests
 from tests.support.reference import hf_and_ours
 
 VOCAB = 128
 PROMPT = (5, 17, 99, 42, 3, 64)
-# items of two and three tokens (a sequence may end a step early), none a prefix of another
-ITEMS = [
-    (10, 30),
-    (10, 31),
-    (10, 32, 40),
-    (10, 32, 41),
-    (11, 30),
-    (11, 33, 42),
-    (12, 31),
-    (12, 34),
-    (12, 35, 43),
-    (12, 35, 44),
-]
+ITEMS = TWO_LENGTH_ITEMS
 BIAS = {"11": 2.5, "31": -1.0}
 
 

@@ -17,6 +17,7 @@ from grctl.engine.config import EngineConfig
 from grctl.engine.engine import Engine
 from grctl.engine.request import GenerateRequest, SamplingParams
 from grctl.engine.search.logits_processors import parse_logits_processors
+from tests.support.catalogs import TWO_LENGTH_ITEMS
 from tests.support.engines import run_requests
 from tests.support.reference import hf_and_ours
 
@@ -317,18 +318,8 @@ def priority_estimates(results, reward) -> list[float]:
     return out
 
 
-MIXED = [
-    (10, 30),
-    (10, 31),
-    (10, 32, 40),
-    (10, 32, 41),
-    (11, 30),
-    (11, 33, 42),
-    (12, 31),
-    (12, 34),
-    (12, 35, 43),
-    (12, 35, 44),
-]
+# items of two and three tokens (a sequence may end a step early)
+MIXED = TWO_LENGTH_ITEMS
 
 
 @pytest.mark.slow

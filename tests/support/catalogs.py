@@ -21,3 +21,18 @@ def write_catalog(path: Path, seed: int, num: int, codes: int = 256, id_prefix: 
         lines.append(json.dumps({"item_id": item_id, "token_ids": toks, "metadata": {"i": i}}))
     path.write_text("\n".join(lines) + "\n")
     return items
+
+
+# items of two and three tokens (a sequence may end a step early), none a prefix of another
+TWO_LENGTH_ITEMS = [
+    (10, 30),
+    (10, 31),
+    (10, 32, 40),
+    (10, 32, 41),
+    (11, 30),
+    (11, 33, 42),
+    (12, 31),
+    (12, 34),
+    (12, 35, 43),
+    (12, 35, 44),
+]
