@@ -1097,8 +1097,12 @@ def test_the_probe_fails_a_route_on_the_loop():
     """The probe's proof: a route tokenizing on the event loop stalls /health past the limit,
     the same work through offload() does not."""
 
-    def tokenize(n: int = 400_000) -> int:  # the CPU work a careless handler does inline
-        return sum(len(f"t{i % 128}".split("t")) for i in range(n))
+    def tokenize(seconds: float = 0.6) -> int:  # the CPU work a careless handler does inline
+        # for a fixed time, not a fixed count: on a quiet machine 400,000 splits took 56 ms
+        n, end = 0, time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            n += len(f"t{n % 128}".split("t"))
+        return n
 
     @post("/bad_route_on_the_loop", status_code=200)
     async def bad() -> dict:
