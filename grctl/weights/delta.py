@@ -196,8 +196,6 @@ def same_version(a: object, b: object) -> bool:
 def plan_delta(updater: WeightUpdater, vdir: Path):
     """Inside the update's turn: check the base, decode every tensor into a copy, verify it,
     plan the writes. Returns (writes, new tensors by name); raises before any write."""
-    from safetensors import safe_open
-
     index = read_index(vdir)
     meta = index["metadata"]
     versions = updater.versions
@@ -214,10 +212,24 @@ def plan_delta(updater: WeightUpdater, vdir: Path):
         )
     cfg, params = updater.model.config, apply.live_parameters(updater.model)
     algorithm, enc = str(meta.get("checksum_format")), meta["delta_encoding"]
-    new: dict[str, torch.Tensor] = {}
+    new = each_tensor(
+        vdir,
+        index,
+        lambda st, sums, name: _apply_one(st, sums, name, enc, algorithm, meta, cfg, params),
+    )
+    writes = apply.plan_against(cfg, params, apply.specs_of(new.items()), require_full=False)
+    return writes, new
+
+
+def each_tensor(vdir: Path, index: dict, decode) -> dict:
+    """{name: decode(file, its checksums, name)} for every tensor a delta version's index names,
+    file by file; a missing file or one safetensors cannot read is a 400."""
     by_file: dict[str, list[str]] = {}
     for name, f in index["weight_map"].items():
         by_file.setdefault(f, []).append(name)
+    from safetensors import safe_open
+
+    out = {}
     for f, names in sorted(by_file.items()):
         path = vdir / f
         if not path.is_file():
@@ -226,13 +238,12 @@ def plan_delta(updater: WeightUpdater, vdir: Path):
             with safe_open(str(path), framework="np") as st:
                 sums = st.metadata() or {}
                 for name in names:
-                    new[name] = _apply_one(st, sums, name, enc, algorithm, meta, cfg, params)
+                    out[name] = decode(st, sums, name)
         except GrctlError:
             raise
         except Exception as exc:  # safetensors' own errors: a corrupt or foreign file
             raise ValidationError(f"delta file {str(path)!r} is unreadable: {exc}") from exc
-    writes = apply.plan_against(cfg, params, apply.specs_of(new.items()), require_full=False)
-    return writes, new
+    return out
 
 
 def _apply_one(st, sums, name, enc, algorithm, meta, cfg, params) -> torch.Tensor:

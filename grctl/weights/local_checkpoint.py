@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from grctl.errors import Conflict, GrctlError, ValidationError
+from grctl.errors import Conflict, ValidationError
 from grctl.weights import delta
 
 MARK = ".grctl-local-version"
@@ -113,35 +113,20 @@ def _apply_version(local: Path, vdir: Path, *, cur: int) -> int:
     for f in sorted(local.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
             where.update(dict.fromkeys(st.keys(), f))
-    new_by_file: dict[Path, dict[str, torch.Tensor]] = {}
-    by_delta: dict[str, list[str]] = {}
-    for name, f in index["weight_map"].items():
-        by_delta.setdefault(f, []).append(name)
     algorithm, enc = str(meta.get("checksum_format")), meta["delta_encoding"]
-    for f, names in sorted(by_delta.items()):
-        path = vdir / f
-        if not path.is_file():
-            raise ValidationError(f"delta file {str(path)!r} is missing")
-        try:
-            with safe_open(str(path), framework="np") as st:
-                sums = st.metadata() or {}
-                for name in names:
-                    if name not in where:
-                        raise ValidationError(
-                            f"delta names {name!r}: not a tensor of the local checkpoint"
-                        )
-                    with safe_open(str(where[name]), framework="pt") as ck:
-                        cur_t = ck.get_tensor(name)
-                    base = cur_t.contiguous().view(torch.uint8).reshape(-1).numpy()
-                    out = delta.decoded(
-                        st, sums, name, enc, algorithm, meta, base, cur_t.element_size()
-                    )
-                    t = torch.from_numpy(out.copy()).view(cur_t.dtype).reshape(cur_t.shape)
-                    new_by_file.setdefault(where[name], {})[name] = t
-        except GrctlError:
-            raise
-        except Exception as exc:  # safetensors' own errors: a corrupt or foreign file
-            raise ValidationError(f"delta file {str(path)!r} is unreadable: {exc}") from exc
+
+    def decode(st, sums, name: str) -> torch.Tensor:
+        if name not in where:
+            raise ValidationError(f"delta names {name!r}: not a tensor of the local checkpoint")
+        with safe_open(str(where[name]), framework="pt") as ck:
+            cur_t = ck.get_tensor(name)
+        base = cur_t.contiguous().view(torch.uint8).reshape(-1).numpy()
+        out = delta.decoded(st, sums, name, enc, algorithm, meta, base, cur_t.element_size())
+        return torch.from_numpy(out.copy()).view(cur_t.dtype).reshape(cur_t.shape)
+
+    new_by_file: dict[Path, dict[str, torch.Tensor]] = {}
+    for name, t in delta.each_tensor(vdir, index, decode).items():
+        new_by_file.setdefault(where[name], {})[name] = t
     staged: list[tuple[Path, Path]] = []
     try:
         for f, changed in new_by_file.items():
