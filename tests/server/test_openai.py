@@ -4,18 +4,16 @@ case in process over the built-in model."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import torch
-import transformers
 
 from tests.support.appserver import AppTransport, app_server
 from tests.support.catalogs import write_catalog
-from tests.support.checkpoints import load_hf
+from tests.support.checkpoints import load_hf, with_chat_template
 from tests.support.reference import hf_generate
 from tests.support.serverproc import assert_error
 from tests.support.trainer_side import hf_state, tensor_entry
@@ -35,12 +33,8 @@ GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 
 @pytest.fixture(scope="module")
 def ckpt(checkpoint, tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("chat") / "ckpt"
-    shutil.copytree(checkpoint(seed=3, tokenizer=True), path)
-    tok = transformers.AutoTokenizer.from_pretrained(path)
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(path)
-    return path
+    dst = tmp_path_factory.mktemp("chat") / "ckpt"
+    return with_chat_template(checkpoint(seed=3, tokenizer=True), dst, TEMPLATE)
 
 
 @pytest.fixture(scope="module")

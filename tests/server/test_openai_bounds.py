@@ -5,15 +5,13 @@ are the model's own (held to transformers' log-softmax), never silently empty.""
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 
 import pytest
 import torch
-import transformers
 
-from tests.support.checkpoints import load_hf
+from tests.support.checkpoints import load_hf, with_chat_template
 from tests.support.serverproc import assert_error
 
 pytestmark = pytest.mark.timeout(180)
@@ -33,12 +31,8 @@ USER = [{"role": "user", "content": "t5 t9"}]
 
 @pytest.fixture(scope="module")
 def ckpt(checkpoint, tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("chat-bounds") / "ckpt"
-    shutil.copytree(checkpoint(seed=3, tokenizer=True), path)
-    tok = transformers.AutoTokenizer.from_pretrained(path)
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(path)
-    return path
+    dst = tmp_path_factory.mktemp("chat-bounds") / "ckpt"
+    return with_chat_template(checkpoint(seed=3, tokenizer=True), dst, TEMPLATE)
 
 
 @pytest.fixture(scope="module")

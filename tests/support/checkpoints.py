@@ -75,3 +75,15 @@ def write_word_tokenizer(path: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0")
     fast.save_pretrained(path)
+
+
+def with_chat_template(src: Path, dst: Path, template: str) -> Path:
+    """A copy of checkpoint `src` at `dst` whose tokenizer carries `template` as its chat
+    template."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    tok = transformers.AutoTokenizer.from_pretrained(dst)
+    tok.chat_template = template
+    tok.save_pretrained(dst)
+    return dst
