@@ -82,8 +82,11 @@ class Arena:
             owners[key] = name
             unique[name] = tensor.detach()
         arena = cls(unique, bucket_mb)
-        for tensor in state.values():
-            tensor.data = arena._views[owners[_identity(tensor)]]
+        # Every entry's owner is looked up before any storage is swapped: swapping a tied
+        # weight's first name moves its other names' pointer too, and its key with it.
+        targets = [(tensor, arena._views[owners[_identity(tensor)]]) for tensor in state.values()]
+        for tensor, view in targets:
+            tensor.data = view
             arena._adopted.append(tensor)
         return arena
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import pytest
 import torch
 
@@ -37,8 +38,10 @@ def expected(hf, dtype=torch.bfloat16) -> dict[str, str]:
     return {name: tensor_sha256(t.to(dtype)) for name, t in state.items()}
 
 
-def test_adopt_keeps_the_model_and_lays_it_in_one_segment(checkpoint):
-    hf = load_hf(checkpoint(seed=42))
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_adopt_keeps_the_model_and_lays_it_in_one_segment(checkpoint, tied):
+    hf = load_hf(checkpoint(seed=42, tie_word_embeddings=tied))
+    assert hf.config.tie_word_embeddings == tied  # Qwen3-0.6B/1.7B/4B tie theirs
     prompt = torch.tensor([[3, 1, 4, 1, 5]])
     with torch.no_grad():
         before = hf(prompt).logits
@@ -50,6 +53,9 @@ def test_adopt_keeps_the_model_and_lays_it_in_one_segment(checkpoint):
         assert torch.equal(hf(prompt).logits, before)
     views = arena.tensors()
     assert all(torch.equal(views[n], t) for n, t in hf.state_dict().items() if n in views)
+    head, embed = hf.lm_head.weight, hf.model.embed_tokens.weight
+    assert (head.data_ptr() == embed.data_ptr()) == tied  # still one weight when tied
+    assert ("lm_head.weight" in views) == (not tied)  # pushed once, under its first name
 
 
 def test_arena_pushed_in_place_and_cast_by_the_server(srv, http, checkpoint):
@@ -72,6 +78,27 @@ def test_arena_pushed_in_place_and_cast_by_the_server(srv, http, checkpoint):
     bf16 = hf.to(torch.bfloat16)
     want = hf_generate(bf16, [5, 6, 7], 4)
     assert served_by_client(srv.url, [5, 6, 7], 4) == (want, "s1")
+
+
+def test_a_tied_model_adopted_and_pushed_to_a_tied_server(start_server, checkpoint):
+    """The built-in model and Qwen3-0.6B/1.7B/4B tie lm_head to the embedding: the arena holds
+    it once, the push sends it once, and the server generates as the trained model does."""
+    srv = start_server(
+        "--allow-weight-update",
+        "--model-path",
+        str(checkpoint(seed=45, tie_word_embeddings=True, dtype=torch.bfloat16)),
+    )
+    hf = load_hf(checkpoint(seed=46, tie_word_embeddings=True))
+    arena = Arena.adopt(hf)
+    opt = torch.optim.SGD(hf.parameters(), lr=0.5)
+    hf(torch.tensor([[2, 7, 1, 8]]), labels=torch.tensor([[2, 7, 1, 8]])).loss.backward()
+    opt.step()  # moves the tied weight through its one view
+    with WeightSync(srv.url, verify=False) as sync:
+        assert sync.run(arena, weight_version="t1").ok
+    with httpx.Client(base_url=srv.url, timeout=60) as http:
+        assert served_sha256(http) == expected(hf)
+    want = hf_generate(hf.to(torch.bfloat16), [5, 6, 7], 4)
+    assert served_by_client(srv.url, [5, 6, 7], 4) == (want, "t1")
 
 
 TRAINER = """
