@@ -231,6 +231,13 @@ def run_rl_demo(
     """The RL loop against a server started here with the task's catalog; returns its rows.
     The server starts with OMP_WAIT_POLICY=passive (unless set): its idle OpenMP threads sleep
     instead of spinning on the cores the trainer's step needs (grctl/cli/rl/trainer.py)."""
+    try:
+        import transformers  # noqa: F401  the trainer's side of the loop is transformers' Qwen3
+    except ImportError:
+        raise GrctlError(
+            "grctl demo --rl trains transformers' Qwen3, which is not installed",
+            hint="pip install transformers (or, from a checkout, pip install -e '.[rl]')",
+        ) from None
     from grctl.cli.rl.loop import check, report, run_loop, write_curve
     from grctl.cli.rl.task import make_task
     from grctl.cli.rl.trainer import DEFAULT_LR

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
+import msgspec
 import numpy as np
 import torch
 
@@ -129,20 +129,10 @@ def pull_weights(
     api_key: str | None = None,
     timeout: float = 600.0,
 ) -> dict:
-    """POST /pull_weights: the server applies `source_dir/weight_v{version:06d}` in place.
-    Returns the reply; raises GrctlError with the server's message on a refusal."""
-    body: dict = {"source_dir": str(source_dir), "target_version": int(version)}
-    if weight_version is not None:
-        body["weight_version"] = weight_version
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    resp = httpx.post(
-        url.rstrip("/") + "/pull_weights", json=body, headers=headers, timeout=timeout
-    )
-    if resp.status_code != 200:
-        try:
-            err = resp.json()["error"]
-            message = f"{err['code']}: {err['message']}"
-        except (ValueError, KeyError, TypeError):
-            message = resp.text[:500]
-        raise GrctlError(f"/pull_weights answered {resp.status_code}: {message}")
-    return resp.json()
+    """POST /pull_weights: the server applies `source_dir/weight_v{version:06d}` in place
+    (GRClient.pull_weights). Returns the reply as a dict; raises the server's GrctlError."""
+    from grctl.client.http import GRClient
+
+    with GRClient(url, api_key=api_key, bearer=True, update_timeout=timeout) as gr:
+        reply = gr.pull_weights(str(source_dir), int(version), weight_version=weight_version)
+    return msgspec.to_builtins(reply)

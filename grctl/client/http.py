@@ -14,16 +14,15 @@ in time ClientTimeout.
 
 from __future__ import annotations
 
-import asyncio
-import time
 from typing import Any
 
 import httpx
 import msgspec
 
 from grctl.client.calls import Call, ClientTimeout, ConnectionFailed, text
+from grctl.client.retry import call_policy, flush_policy
 from grctl.client.routes import Routes
-from grctl.errors import CacheBusy, GrctlError, ValidationError, error_from_wire
+from grctl.errors import GrctlError, ValidationError, error_from_wire
 from grctl.protocol.info import API_KEY_HEADER, FlushCacheResponse
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -54,17 +53,6 @@ def read_reply(url: str, resp: httpx.Response, call: Call) -> Any:
         raise GrctlError(f"unexpected reply from {url}{call.path}: {exc}") from exc
 
 
-def is_flush_retryable(exc: GrctlError) -> bool:
-    # slime retries any non-200; a refused connection means no server, so that one is final.
-    return isinstance(exc, (CacheBusy, ClientTimeout)) or exc.status in (400, 503)
-
-
-def flush_gave_up(retries: int, last: GrctlError | None) -> CacheBusy:
-    # No hint of our own: the server's last reply says what would let the flush through (pause
-    # first, or resume an in_place pause); callers name the server, so the message does not.
-    return CacheBusy(f"/flush_cache did not succeed after {retries} tries; last reply: {last}")
-
-
 def normalize_url(url: str) -> str:
     """`host:port` -> `http://host:port` (what curl and SGLang's clients accept too); any
     scheme but http(s) is refused."""
@@ -86,8 +74,13 @@ class _Base(Routes):
         timeout: float = 30.0,
         generate_timeout: float = 330.0,
         update_timeout: float = 600.0,
+        retries: int = 0,
+        retry_max_wait: float = 5.0,
     ):
         self.url = normalize_url(url)
+        # calls the server refused before doing anything (retryable errors) are tried again
+        # `retries` times with jittered exponential backoff (grctl/client/retry.py)
+        self.retries, self.retry_max_wait = max(0, int(retries)), retry_max_wait
         self.timeouts = {"control": timeout, "generate": generate_timeout, "update": update_timeout}
         self._kw = dict(
             base_url=self.url,
@@ -117,6 +110,11 @@ class GRClient(_Base):
         self._http = httpx.Client(**self._kw)
 
     def _call(self, call: Call) -> Any:
+        if not self.retries:
+            return self._send(call)
+        return call_policy(call, self.retries, self.retry_max_wait)(self._send, call)
+
+    def _send(self, call: Call) -> Any:
         try:
             resp = self._http.request(
                 call.method,
@@ -132,17 +130,7 @@ class GRClient(_Base):
     def flush_cache_until_ok(self, retries: int = 60, interval: float = 1.0) -> FlushCacheResponse:
         """slime's loop: GET /flush_cache until it answers 200, `retries` tries `interval` s
         apart. Raises CacheBusy naming the last reply when every try failed."""
-        last: GrctlError | None = None
-        for attempt in range(max(1, retries)):
-            try:
-                return self.flush_cache()
-            except GrctlError as exc:
-                if not is_flush_retryable(exc):
-                    raise
-                last = exc
-            if attempt + 1 < retries:
-                time.sleep(interval)
-        raise flush_gave_up(retries, last)
+        return flush_policy(retries, interval)(self.flush_cache)
 
     def push_tensors(
         self,
@@ -187,6 +175,12 @@ class AsyncGRClient(_Base):
         self._http = httpx.AsyncClient(**self._kw)
 
     async def _call(self, call: Call) -> Any:
+        if not self.retries:
+            return await self._send(call)
+        policy = call_policy(call, self.retries, self.retry_max_wait, is_async=True)
+        return await policy(self._send, call)
+
+    async def _send(self, call: Call) -> Any:
         try:
             resp = await self._http.request(
                 call.method,
@@ -202,17 +196,10 @@ class AsyncGRClient(_Base):
     async def flush_cache_until_ok(
         self, retries: int = 60, interval: float = 1.0
     ) -> FlushCacheResponse:
-        last: GrctlError | None = None
-        for attempt in range(max(1, retries)):
-            try:
-                return await self.flush_cache()
-            except GrctlError as exc:
-                if not is_flush_retryable(exc):
-                    raise
-                last = exc
-            if attempt + 1 < retries:
-                await asyncio.sleep(interval)
-        raise flush_gave_up(retries, last)
+        async def once() -> FlushCacheResponse:  # flush_cache is a plain def returning a coroutine
+            return await self.flush_cache()
+
+        return await flush_policy(retries, interval, is_async=True)(once)
 
     async def aclose(self) -> None:
         await self._http.aclose()

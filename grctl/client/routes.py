@@ -182,6 +182,35 @@ class Routes:
         body = {"action": action}
         return self._call(Call("POST", "/weights_checker", as_(w.WeightsCheckerResponse), body))
 
+    def pull_weights(
+        self,
+        source_dir: str,
+        target_version: int,
+        *,
+        weight_version: w.Version = None,
+        local_checkpoint_dir: str | None = None,
+        token_step: int | str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+        catalog_path: str | None = None,
+    ) -> w.UpdateWeightsResponse:
+        """/pull_weights (miles' disk delta): the server applies
+        `source_dir/weight_v{target_version:06d}` onto the served weights in place, or onto
+        `local_checkpoint_dir` (version 0 seeds it) without writing a served weight."""
+        body = compact(
+            source_dir=str(source_dir),
+            target_version=int(target_version),
+            local_checkpoint_dir=local_checkpoint_dir,
+            weight_version=w.version_str(weight_version),
+            token_step=token_step,
+            flush_cache=flush_cache,
+            abort_all_requests=abort_all_requests,
+            catalog_path=catalog_path,
+        )
+        return self._call(
+            Call("POST", "/pull_weights", as_(w.UpdateWeightsResponse), body, kind="update")
+        )
+
     def update_weights_from_disk(
         self,
         model_path: str,

@@ -45,7 +45,7 @@ from grctl.server.routes.profile import profile_routes
 from grctl.server.routes.unsupported import unsupported_routes
 from grctl.server.routes.updates import update_router
 from grctl.server.routes.weights import weight_router
-from grctl.server.translation.generate import load_tokenizer
+from grctl.server.tokenizer import load_tokenizer
 from grctl.weights.checker import WeightsChecker
 from grctl.weights.updater import WeightUpdater
 

@@ -149,3 +149,48 @@ def test_async_client(srv):
                 await gr.get_weights_by_name("nope")
 
     asyncio.run(main())
+
+
+def test_retries_ride_out_a_pause_with_backoff(srv):
+    """retries=N: a /generate refused with 503 paused is tried again until the server resumes;
+    without retries the same call fails at once; a non-retryable error is never retried."""
+    with (
+        GRClient(srv.url, api_key=KEY) as plain,
+        GRClient(srv.url, api_key=KEY, retries=50, retry_max_wait=0.2) as patient,
+    ):
+        plain.pause_generation()
+        try:
+            with pytest.raises(Paused):
+                plain.generate([1, 2, 3], max_new_tokens=2)
+            threading.Timer(0.5, plain.continue_generation).start()
+            t0 = time.monotonic()
+            out = patient.generate([1, 2, 3], max_new_tokens=2)
+            assert len(out.output_ids) == 2 and time.monotonic() - t0 >= 0.4
+        finally:
+            plain.continue_generation()
+        calls = []
+        real = patient._send
+        patient._send = lambda call: calls.append(call.path) or real(call)
+        with pytest.raises(NotFound):
+            patient.get_weights_by_name("nope")
+        assert calls == ["/get_weights_by_name"]  # a 404 is final: one try
+
+
+def test_async_retries_ride_out_a_pause(srv):
+    async def main() -> None:
+        async with AsyncGRClient(srv.url, api_key=KEY, retries=50, retry_max_wait=0.2) as gr:
+            await gr.pause_generation()
+            asyncio.get_running_loop().call_later(
+                0.5, lambda: asyncio.ensure_future(gr.continue_generation())
+            )
+            out = await gr.generate([1, 2, 3], max_new_tokens=2)
+            assert len(out.output_ids) == 2
+
+    asyncio.run(main())
+
+
+def test_pull_weights_is_a_client_method(gr, tmp_path):
+    """GRClient.pull_weights sends /pull_weights' body: a missing version dir is the server's
+    404, raised as NotFound (the delta tests apply real deltas through the same method)."""
+    with pytest.raises((NotFound, Forbidden, ValidationError)):
+        gr.pull_weights(str(tmp_path), 7)

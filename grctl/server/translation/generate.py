@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import logging
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -32,23 +30,6 @@ from grctl.server.translation.sampling import (
     wants_top_p_token_ids,
     with_custom_params,
 )
-
-log = logging.getLogger("grctl.server")
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def load_tokenizer(model_path: str | None) -> Any | None:
-    """The checkpoint's tokenizer, or None when its directory holds none (ids-only serving)."""
-    if model_path is None or not any((Path(model_path) / f).is_file() for f in TOKENIZER_FILES):
-        return None
-    try:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(model_path)
-    except Exception as exc:  # a broken tokenizer must not stop ids-only serving
-        log.warning("no tokenizer: cannot load one from %s: %s", model_path, exc)
-        return None
 
 
 def prompt_rows(body: GenerateBody, tokenizer: Any | None) -> tuple[list[list[int]], bool]:
