@@ -7,6 +7,16 @@ import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
 from grctl.protocol.catalog import ItemResultOut
+from grctl.protocol.stages import (
+    BeamSearchParams,
+    DecodeConfig,
+    ForcedPrefix,
+    GroupId,
+    ReasoningParams,
+    ReturnMode,
+    StageGroupOut,
+    StageSpan,
+)
 
 PosInt = Annotated[int, Meta(ge=1)]
 TokenId = Annotated[int, Meta(ge=0)]
@@ -57,6 +67,27 @@ class SamplingParamsBody(Struct, kw_only=True, forbid_unknown_fields=True):
     watermark: Any = None
     choice: Any = None
     stream_interval: Any = None  # no streaming: nothing to pace
+    # multi-stage requests (protocol/stages.py, docs/http-api.md "Multi-stage requests"):
+    # grctl's spelling
+    reasoning: ReasoningParams | None = None
+    forced_prefix: ForcedPrefix | None = None
+    beam_return_mode: ReturnMode | None = None
+    beam_group_id: GroupId | None = None
+    beam_index: Annotated[int, Meta(ge=0)] | None = None
+    # verl-GR's spelling, and its legacy aliases (verl_gr/workers/rollout/beam_config.py)
+    enable_two_stage_rollout: bool | None = None
+    decode_config: DecodeConfig | None = None
+    beam_search_params: BeamSearchParams | None = None
+    return_all_beams: bool | None = None
+    stage2_beam_size: PosInt | None = None
+    beam_idx: Annotated[int, Meta(ge=0)] | None = None
+    two_stage_group_id: GroupId | None = None
+    stage2_num_tokens: PosInt | None = None
+    stage2_max_tokens: PosInt | None = None
+    stage1_max_tokens: PosInt | None = None
+    stage2_temperature: Annotated[float, Meta(ge=0.0)] | None = None
+    stage2_top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    stage2_top_k: Annotated[int, Meta(ge=-1)] | None = None
 
 
 class GenerateBody(Struct, kw_only=True):
@@ -133,7 +164,8 @@ class BeamMetaInfo(Struct, kw_only=True, omit_defaults=True):
     finish_reason: FinishReason | None = None
     # beam_width form: beam 0 carries the completion tokens of every returned beam (SGLang)
     completion_tokens: int | None = None
-    output_token_logprobs: list[LogprobEntry] | None = None  # this beam's, with return_logprob
+    # this beam's, with return_logprob (a multi-stage beam's forced tokens: logprob null)
+    output_token_logprobs: list[InputLogprobEntry] | None = None
     output_top_logprobs: list[list[LogprobEntry]] | None = None  # with top_logprobs_num
     weight_versions: list[WeightVersionSpan] | None = None  # over this beam's output_ids
     # log q(beam): the sum of its tokens' log-probabilities under the sampling distribution
@@ -151,6 +183,14 @@ class BeamMetaInfo(Struct, kw_only=True, omit_defaults=True):
     # token's support flattened, and its offsets (token t's: ids[offsets[t]:offsets[t + 1]])
     top_p_token_ids: list[int] | None = None
     top_p_token_offsets: list[int] | None = None
+    # a multi-stage beam (output_ids: reasoning + forced prefix + item): its group, its rank
+    # in it, which positions were sampled, forced or searched, and each token's behaviour
+    # logprob (null where forced)
+    group_id: str | None = None
+    group_index: int | None = None
+    beam_index: int | None = None
+    stage_spans: list[StageSpan] | None = None
+    behaviour_logprobs: list[float | None] | None = None
 
 
 class StrictBeamMetaInfo(BeamMetaInfo, kw_only=True, omit_defaults=True):
@@ -183,7 +223,7 @@ class MetaInfo(Struct, kw_only=True):
     kv_recomputed_at: list[int] | None = None
     sequence_score: float | None = None  # beam_width form: beam 0's (SGLang)
     # the top beam's, with return_logprob; every beam's own under beam_results
-    output_token_logprobs: list[LogprobEntry] | None = None
+    output_token_logprobs: list[InputLogprobEntry] | None = None
     output_token_logprobs_length: int | None = None
     output_top_logprobs: list[list[LogprobEntry]] | None = None  # with top_logprobs_num
     # with return_logprob: the prompt's tokens from logprob_start_len on ([] without it), and
@@ -204,6 +244,12 @@ class MetaInfo(Struct, kw_only=True):
     # with custom_params.return_top_p_token_ids: the top beam's (slime's keys, as above)
     top_p_token_ids: list[int] | None = None
     top_p_token_offsets: list[int] | None = None
+    # multi-stage requests: one entry per reasoning sample (a group), the restarts summed, and
+    # with beam_group_id the group and the beam index this reply serves
+    stage_groups: list[StageGroupOut] | None = None
+    stage_restarts: int | None = None
+    beam_group_id: str | None = None
+    beam_index: int | None = None
 
 
 class StrictMetaInfo(MetaInfo, kw_only=True, omit_defaults=True):

@@ -30,6 +30,7 @@ from grctl.server.translation.sampling import (
     wants_top_p_token_ids,
     with_custom_params,
 )
+from grctl.server.translation.stages import is_multi_stage
 
 
 def prompt_rows(body: GenerateBody, tokenizer: Any | None) -> tuple[list[list[int]], bool]:
@@ -93,6 +94,12 @@ def to_requests(
         sp = sp or SamplingParamsBody()
         top_p_ids = wants_top_p_token_ids(sp)
         sp = with_custom_params(sp)
+        if is_multi_stage(sp):
+            raise ValidationError(
+                "multi-stage requests (sampling_params.reasoning, verl-GR's decode_config, "
+                "beam_group_id, ...) are not served yet",
+                hint='docs/http-api.md "Multi-stage requests"',
+            )
         reqs.append(
             GenerateRequest(
                 input_ids=tuple(row),
