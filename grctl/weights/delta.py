@@ -138,7 +138,12 @@ def decode(
     return out
 
 
-def _decompress(name: str, fmt: str, raw: np.ndarray, limit: int) -> np.ndarray:
+def _decompress(name: str, fmt: str, raw: np.ndarray, limit: int, exact: int | None) -> np.ndarray:
+    """The payload of one tensor's delta, decompressed. A zstd frame is bounded before anything
+    is allocated: python-zstandard sizes its output by the content size the frame header
+    declares (and ignores `max_output_size` then), so that size is checked first: `exact`
+    bytes where the encoding fixes the length (xor), at most `limit` otherwise. A frame that
+    declares no size is decompressed into a buffer of `limit` bytes, which it may not exceed."""
     if fmt in ("none", None):
         return raw
     if fmt != "zstd":
@@ -150,8 +155,18 @@ def _decompress(name: str, fmt: str, raw: np.ndarray, limit: int) -> np.ndarray:
             "compression_format 'zstd' needs the zstandard package on the server",
             hint="install zstandard, or publish uncompressed (compression_format none)",
         ) from exc
+    data = raw.tobytes()
     try:
-        out = zstandard.ZstdDecompressor().decompress(raw.tobytes(), max_output_size=limit)
+        declared = zstandard.frame_content_size(data)
+        if declared not in (-1, zstandard.CONTENTSIZE_UNKNOWN) and (
+            declared > limit or (exact is not None and declared != exact)
+        ):
+            want = f"exactly {exact}" if exact is not None else f"at most {limit}"
+            raise ValidationError(
+                f"delta of {name!r} is a zstd frame declaring {declared} bytes; its delta is "
+                f"{want} bytes (refused before decompressing)"
+            )
+        out = zstandard.ZstdDecompressor().decompress(data, max_output_size=limit)
     except zstandard.ZstdError as exc:
         raise ValidationError(f"delta of {name!r} is not valid zstd (or too large): {exc}") from exc
     return np.frombuffer(out, dtype=np.uint8)
@@ -267,8 +282,8 @@ def decoded(st, sums, name, enc, algorithm, meta, base: np.ndarray, width: int) 
         raise ValidationError(f"delta of {name!r} must be a 1-D uint8 tensor")
     if sl.get_shape()[0] > 4 + 5 * base.size:
         raise ValidationError(f"delta of {name!r} is larger than any delta of its tensor")
-    limit = 4 + 5 * base.size
-    payload = _decompress(name, meta.get("compression_format"), st.get_tensor(name), limit)
+    limit, exact = 4 + 5 * base.size, (base.size if enc == "xor" else None)
+    payload = _decompress(name, meta.get("compression_format"), st.get_tensor(name), limit, exact)
     out = decode(name, enc, payload, base, width)
     if name not in sums:
         raise ValidationError(f"delta of {name!r} carries no checksum of its new state")

@@ -8,6 +8,9 @@ to the xxh3-128 hex digest of the tensor's complete new bytes; the HF index with
 from __future__ import annotations
 
 import json
+import struct
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -170,3 +173,70 @@ def test_local_checkpoint_catches_up_over_several_versions(env):
     assert all(torch.equal(on_disk[k], two[k]) for k in two)
     assert label(srv) == before[0]
     assert torch.equal(served(srv, "model.norm.weight"), before[1])
+
+
+def rle_frame(declared: int | None, blocks: int, byte: int = 7) -> bytes:
+    """A zstd frame (RFC 8878) declaring `declared` content bytes in its header (None: no size,
+    a 1 MiB window), then `blocks` RLE blocks of 128 KiB: 4 bytes a block on disk, 128 KiB
+    each decompressed."""
+    if declared is None:  # descriptor 0: a window descriptor (log 10 + 10), no content size
+        frame = struct.pack("<IBB", 0xFD2FB528, 0x00, 10 << 3)
+    else:  # single segment, an 8-byte content size
+        frame = struct.pack("<IB", 0xFD2FB528, 0xE0) + struct.pack("<Q", declared)
+    for i in range(blocks):
+        head = (i == blocks - 1) | (1 << 1) | ((128 << 10) << 3)  # last flag, RLE type, size
+        frame += struct.pack("<I", head)[:3] + bytes([byte])
+    return frame
+
+
+def peak_rss_reset(pid: int) -> None:
+    Path(f"/proc/{pid}/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+
+
+def peak_rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM")
+
+
+@pytest.mark.parametrize("encoding", ["xor", "overwrite"])
+def test_zstd_frame_declaring_a_huge_size_is_refused_before_decompressing(env, encoding):
+    """A 32 KiB delta of RLE blocks that decompresses to 1 GiB (python-zstandard sizes its
+    output by the frame's declared content size and ignores max_output_size then): refused
+    with a 400 naming the declared size, fast, the server's peak RSS barely moving, nothing
+    changed. A frame that declares no size and runs past the bound is refused as well."""
+    srv, root, _ = env
+    http, src = srv.client(), root / f"rle-{encoding}"
+    current = int(label(srv))
+    name = "model.embed_tokens.weight"
+    sums = {name: "0" * 32}
+    for version, frame in (
+        (current + 1, rle_frame(1 << 30, 8192)),
+        (current + 2, rle_frame(None, 64)),
+    ):
+        vdir = src / f"weight_v{version:06d}"
+        vdir.mkdir(parents=True)
+        payload = {name: np.frombuffer(frame, dtype=np.uint8)}
+        (vdir / FILE).write_bytes(save(payload, metadata=sums))
+        meta = {"version": f"{version:06d}", "base_version": f"{current:06d}",
+                "delta_encoding": encoding, "compression_format": "zstd",
+                "checksum_format": "xxh3-128"}  # fmt: skip
+        index = {"metadata": meta, "weight_map": {name: FILE}}
+        (vdir / "model.safetensors.index.json").write_text(json.dumps(index))
+    before = served(srv, name)
+    peak_rss_reset(srv.proc.pid)
+    t0 = time.monotonic()
+    r = http.post("/pull_weights", json={"source_dir": str(src), "target_version": current + 1})
+    elapsed, grown = time.monotonic() - t0, peak_rss_mib(srv.proc.pid)
+    message = assert_error(r, 400, "validation_error")["message"]
+    assert f"declaring {1 << 30} bytes" in message, message
+    peak_rss_reset(srv.proc.pid)
+    base_rss = peak_rss_mib(srv.proc.pid)
+    assert grown - base_rss < 64, (grown, base_rss)
+    assert elapsed < 5, elapsed
+    # no declared size (the frame header's size field left out), 8 MiB of RLE blocks: past the
+    # bound of any delta of this tensor (4 + 5 * its bytes), refused
+    r = http.post("/pull_weights", json={"source_dir": str(src), "target_version": current + 2})
+    assert "not valid zstd (or too large)" in assert_error(r, 400, "validation_error")["message"]
+    assert label(srv) == str(current) and torch.equal(served(srv, name), before)
