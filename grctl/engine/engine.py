@@ -19,7 +19,12 @@ from grctl.engine import prompt_logprobs, status
 from grctl.engine.context_attention import InvariantContext
 from grctl.engine.executor import Executor
 from grctl.engine.gate import PAUSE_MODES, Gate
-from grctl.engine.kv_cache import kv_bytes_budget, request_kv_bytes, top_logprobs_bytes
+from grctl.engine.kv_cache import (
+    kv_bytes_budget,
+    request_kv_bytes,
+    sampling_mask_bytes,
+    top_logprobs_bytes,
+)
 from grctl.engine.memory import MemorySaver
 from grctl.engine.model_runner import ModelRunner
 from grctl.engine.prefix_cache import PrefixCache, weights_tag
@@ -183,13 +188,16 @@ class Engine:
         return rid
 
     def kv_bytes_of(self, req: GenerateRequest) -> int:
-        """The KV a request holds while it runs, and what scoring its prompt holds
-        (admission by --max-kv-bytes)."""
+        """The KV a request holds while it runs, its top logprobs and sampling support, and what
+        scoring its prompt holds (admission by --max-kv-bytes)."""
         sp, cfg = req.sampling, self.model.config
         itemsize = self.model.embed_tokens.weight.element_size()
         kv = request_kv_bytes(cfg, itemsize, len(req.input_ids), sp.width, sp.max_new_tokens)
         k = req.top_logprobs_num if req.return_logprob else 0
         kv += top_logprobs_bytes(sp.width, sp.max_new_tokens, k)
+        if req.return_sampling_mask and sp.is_stochastic:  # T = 0: the token itself, no table
+            cap = self.config.sampling_mask_max_tokens
+            kv += sampling_mask_bytes(sp.width, sp.max_new_tokens, cfg.vocab_size, cap)
         return kv + prompt_logprobs.bytes_of(req, cfg.vocab_size, cfg.hidden_size)
 
     def prefill_tokens_of(self, seq: Sequence) -> int:

@@ -94,6 +94,13 @@ def top_logprobs_bytes(num_beams: int, max_new: int, k: int) -> int:
     return TOP_PAIR_BYTES * num_beams * k * max_new
 
 
+def sampling_mask_bytes(num_beams: int, max_new: int, vocab: int, cap: int) -> int:
+    """What a request asking for its sampling support keeps while it runs: each step's
+    [beams, min(vocab, cap + 1)] rows of it (Beams.mask_history; cap: --sampling-mask-max-tokens,
+    the one more column tells a support over the cap)."""
+    return TOP_PAIR_BYTES * num_beams * min(vocab, cap + 1) * max_new
+
+
 def kv_bytes_budget(config: EngineConfig, device: torch.device) -> int | None:
     """--max-kv-bytes, else a share of the GPU memory free now (the weights are loaded); None
     (no limit) on the CPU."""

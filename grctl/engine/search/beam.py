@@ -86,7 +86,8 @@ class StepState:
     [R, N, 4] (score, key, phi, lp), pool_i [R, N, 5] (node, token, parent, length, reason);
     dropped [R], the largest key the step dropped (stochastic beams; else -inf). Per row of the
     step's logits (request i's rows from first_rows[i], one per parent beam), when asked: the
-    top log-probabilities ([rows, k] values and ids) and the sampling support ([rows, c])."""
+    top log-probabilities ([rows, k] values and ids). The sampling support is not here: each
+    request that asks keeps its own rows of it (Beams.mask_history)."""
 
     run_f: torch.Tensor
     run_i: torch.Tensor
@@ -95,7 +96,6 @@ class StepState:
     dropped: torch.Tensor | None = None
     first_rows: list[int] | None = None
     rows_top: tuple[torch.Tensor, torch.Tensor] | None = None
-    rows_mask: tuple[torch.Tensor, torch.Tensor] | None = None
     # rows_top holds only the requests that ask (and only they are computed): request i's rows
     # from top_first_rows[i] (-1: none)
     top_first_rows: list[int] | None = None
@@ -158,6 +158,9 @@ class Beams:
         self.state: StepState | None = None
         self.row = 0
         self.history: list[tuple[StepState, int]] = []
+        # with a sampling support asked (mask_width > 0): each step's support of this request's
+        # rows only, [num_rows, min(vocab, mask_width)] values and token ids (row_tops.py)
+        self.mask_history: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_steps = 0  # tokens chosen so far
         self.is_done = False
         self.stop_string: str | None = None
@@ -176,9 +179,11 @@ class Beams:
         """Rows this request feeds the next step: its prefill row, then one per beam."""
         return self.width if self.is_started else 1
 
-    def advance(self, state: StepState, row: int, is_over: bool) -> None:
+    def advance(self, state: StepState, row: int, is_over: bool, mask=None) -> None:
         self.state, self.row = state, row
         self.history.append((state, row))
+        if mask is not None:
+            self.mask_history.append(mask)
         self.num_steps += 1
         self.is_done = is_over or self.num_steps >= self.max_new_tokens
 

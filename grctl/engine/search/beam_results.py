@@ -32,7 +32,7 @@ def walk(b: Beams, aborted: bool = False) -> list[BeamResult]:
     hist_i = torch.stack([st.run_i[r, :w] for st, r in b.history]).tolist()  # [T, w, 3]
     hist_lp = torch.stack([st.run_f[r, :w, LP] for st, r in b.history]).tolist()
     tops = _RowReader(b, "rows_top", b.top_logprobs) if b.top_logprobs > 0 else None
-    masks = _RowReader(b, "rows_mask", b.mask_width) if b.mask_width > 0 else None
+    masks = _RowReader(b, "mask", b.mask_width) if b.mask_width > 0 else None
     beams = []
     for j, (score, key, phi, lp) in enumerate(f.tolist()):
         node, token, parent, length, reason = n[j].tolist()
@@ -70,8 +70,8 @@ def walk(b: Beams, aborted: bool = False) -> list[BeamResult]:
 
 
 class _RowReader:
-    """One per-row table of every step (StepState.rows_top or rows_mask), this request's rows
-    read to the host once per step, on first use."""
+    """One per-row table of every step (StepState.rows_top, or the request's own
+    Beams.mask_history), this request's rows read to the host once per step, on first use."""
 
     def __init__(self, b: Beams, name: str, k: int):
         self.b, self.name, self.k = b, name, k
@@ -80,11 +80,14 @@ class _RowReader:
     def pairs(self, t: int, slot: int) -> list[tuple[float, int]]:
         """(log-probability, token) of step t's row `slot`, best first, those of -inf left out."""
         if t not in self.steps:
-            st, r = self.b.history[t]
-            firsts = st.top_first_rows if self.name == "rows_top" else None
-            first = (firsts if firsts is not None else st.first_rows)[r]
             num = 1 if t == 0 else self.b.width
-            values, ids = getattr(st, self.name)
+            if self.name == "mask":
+                first, (values, ids) = 0, self.b.mask_history[t]
+            else:
+                st, r = self.b.history[t]
+                firsts = st.top_first_rows
+                first = (firsts if firsts is not None else st.first_rows)[r]
+                values, ids = st.rows_top
             self.steps[t] = (
                 values[first : first + num, : self.k].tolist(),
                 ids[first : first + num, : self.k].tolist(),

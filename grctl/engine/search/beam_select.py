@@ -55,8 +55,7 @@ def step(logits: torch.Tensor, blocks: list[Block]) -> None:
     par = _parents(blocks, logits.shape[0], dev)
     x = _processed(logits, lse, blocks)
     num_cands = max(b.beams.num_candidates for b in blocks)
-    beams = [b.beams for b in blocks]
-    tops = RowTops.empty(blocks, logits.shape[0], max(b.mask_width for b in beams), dev)
+    tops = RowTops.empty(blocks, logits.shape[0], logits.shape[1], dev)
     groups = _groups(blocks)
     cands = candidates.collect(x, lse, par, groups, len(blocks), num_cands, tops, x is not logits)
     lp = _reported(logits, lse, cands, blocks, tops)
@@ -227,11 +226,10 @@ def _update(blocks: list[Block], c: Cands, lp, reasons, tops: RowTops) -> None:
     det_over = (best == NEG_INF) | ((worst > NEG_INF) & (bound <= worst))
     over = torch.where(stoch[:, 0], run_key[:, 0] == NEG_INF, det_over)
     firsts = [b.first_row for b in blocks]
-    state = StepState(
-        run_f, run_i, pool_f, pool_i, dropped, firsts, tops.top, tops.mask, tops.firsts
-    )
+    state = StepState(run_f, run_i, pool_f, pool_i, dropped, firsts, tops.top, tops.firsts)
+    masks = [tops.own_mask(i, b) for i, b in enumerate(beams)]  # before advance: its num_rows
     for i, (b, is_over) in enumerate(zip(beams, over.tolist(), strict=True)):
-        b.advance(state, i, is_over)
+        b.advance(state, i, is_over, masks[i])
 
 
 def _cols(index: torch.Tensor, num: int) -> torch.Tensor:

@@ -153,8 +153,7 @@ def _collect_group(
         score = p_score[:, None] + (xr.gather(1, col) - row_lse)
         blp = lpt.gather(1, col)
         _own_top(tops, g, lpt, 0.0, tokens)
-        if tops.mask is not None and any(b.mask_width for b in g.beams):
-            tops.put(tops.mask, rows, *lpt.topk(min(tops.mask[0].shape[1], m), dim=-1), tokens)
+        tops.put_mask(g.beams, g.num_rows, g.rows, lpt, tokens)
     phi = p_phi[:, None] + blp
     tok = col if tokens is None else tokens.gather(1, col)
     node = torch.zeros_like(col) if nodes is None else nodes.gather(1, col)
