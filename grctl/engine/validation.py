@@ -3,7 +3,6 @@ what to change, raised before the request is queued."""
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,6 +25,11 @@ MAX_EXCLUDED_ITEMS = 100_000
 MAX_TOP_LOGPROB_ENTRIES = 1 << 20
 # Each beam ranks 1 + len(stop ids) candidates per step: bounded, like the stop strings.
 MAX_STOP_TOKEN_IDS = 64
+# Sampling knobs are computed in float32 (logits / temperature, score / length ** penalty):
+# past these a value overflows to inf or ties every candidate; no sampler needs more.
+MAX_TEMPERATURE = 100.0
+MAX_LENGTH_PENALTY = 10.0
+MAX_TOP_K = 2**31 - 1  # SGLang's "whole vocabulary" spelling (1 << 30) fits
 
 
 def _is_int(x: object) -> bool:
@@ -94,14 +98,16 @@ def _check_search(req: GenerateRequest, vocab: int, max_beam_width: int) -> None
             raise ValidationError(f"n must be at least 1, got {sp.n!r}")
         if sp.n > sp.beam_width:
             raise ValidationError(f"n ({sp.n}) cannot exceed beam_width ({sp.beam_width}).")
-    if not isinstance(sp.temperature, (int, float)) or not (
-        math.isfinite(sp.temperature) and sp.temperature >= 0
-    ):
-        raise ValidationError(f"temperature must be a finite number >= 0, got {sp.temperature!r}")
+    if not _number_in(sp.temperature, 0.0, MAX_TEMPERATURE):
+        raise ValidationError(
+            f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {sp.temperature!r}"
+        )
     if not isinstance(sp.top_p, (int, float)) or not 0 < sp.top_p <= 1:
         raise ValidationError(f"top_p must be in (0, 1], got {sp.top_p!r}")
-    if not _is_int(sp.top_k) or not (sp.top_k == -1 or sp.top_k >= 1):
-        raise ValidationError(f"top_k must be -1 (whole vocab) or >= 1, got {sp.top_k!r}")
+    if not _is_int(sp.top_k) or not (sp.top_k == -1 or 1 <= sp.top_k <= MAX_TOP_K):
+        raise ValidationError(
+            f"top_k must be -1 (whole vocab) or in [1, {MAX_TOP_K}], got {sp.top_k!r}"
+        )
     if not _number_in(sp.min_p, 0.0, 1.0):
         raise ValidationError(f"min_p must be in [0, 1], got {sp.min_p!r}")
     if sp.seed is not None and not (_is_int(sp.seed) and -(2**63) <= sp.seed < 2**64):
@@ -111,10 +117,11 @@ def _check_search(req: GenerateRequest, vocab: int, max_beam_width: int) -> None
             f"min_new_tokens must be in [0, max_new_tokens ({sp.max_new_tokens})], "
             f"got {sp.min_new_tokens!r}"
         )
-    if not _number_in(sp.length_penalty, -math.inf, math.inf) or not math.isfinite(
-        sp.length_penalty
-    ):
-        raise ValidationError(f"length_penalty must be a finite number, got {sp.length_penalty!r}")
+    if not _number_in(sp.length_penalty, -MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY):
+        raise ValidationError(
+            f"length_penalty must be a number in [-{MAX_LENGTH_PENALTY:g}, "
+            f"{MAX_LENGTH_PENALTY:g}], got {sp.length_penalty!r}"
+        )
     if sp.length_penalty != 0 and (sp.width == 1 or sp.is_stochastic):
         raise ValidationError(
             "length_penalty ranks the finished beams of a deterministic beam search: it needs "

@@ -29,6 +29,7 @@ from grctl.catalog.store import CatalogStore
 from grctl.config import ServeConfig
 from grctl.model.builtin import DEFAULT_MODEL_NAME
 from grctl.server.auth import api_key_guard
+from grctl.server.body import StrictJSONRequest
 from grctl.server.exceptions import EXCEPTION_HANDLERS
 from grctl.server.limits import BodyLimitMiddleware
 from grctl.server.metrics import Metrics, MetricsMiddleware
@@ -116,6 +117,7 @@ def create_app(engine: Any, config: ServeConfig, tokenizer: Any | None = None) -
             BodyLimitMiddleware(config.max_http_request_bytes),
         ],
         exception_handlers=EXCEPTION_HANDLERS,
+        request_class=StrictJSONRequest,
         request_max_body_size=None,  # BodyLimitMiddleware is the one place the limit lives
         openapi_config=openapi_config(),
         logging_config=None,  # `grctl serve` configures logging once (server/logs.py)

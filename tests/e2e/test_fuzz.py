@@ -188,6 +188,16 @@ def cases(root: Path) -> list[tuple[str, str, object]]:
         ("POST", "/generate", {"input_ids": [1], "sampling_params": {"top_p": 7}}),
         ("POST", "/generate", {"input_ids": [1], "sampling_params": {"top_k": -9}}),
         ("POST", "/generate", {"input_ids": [1], "sampling_params": {"seed": 2**80}}),
+        ("POST", "/generate", {"input_ids": [1], "sampling_params": {"temperature": 1e308}}),
+        ("POST", "/generate", {"input_ids": [1], "sampling_params": {"top_k": 2**63}}),
+        (
+            "POST",
+            "/generate",
+            {"input_ids": [1], "sampling_params": {"n": 2, "length_penalty": 1e308}},
+        ),
+        ("POST", "/v1/completions", {"prompt": [1], "max_tokens": 1, "temperature": 1e308}),
+        # a key named twice (msgspec kept the last one)
+        ("POST", "/generate", '{"input_ids": [1], "input_ids": [2]}'),
         ("POST", "/generate", {"input_ids": [1] * 100_000}),
         # prompt scoring: a start past the prompt, a list for one prompt, a type, too many back
         (

@@ -199,3 +199,47 @@ def test_beam_width_refusals(http):
     ):
         r = http.post("/generate", json={"input_ids": PROMPT, "sampling_params": sp})
         assert r.status_code == 400 and word in r.json()["error"]["message"], (sp, r.text)
+
+
+@pytest.mark.parametrize(
+    ("sp", "field"),
+    [
+        ({"temperature": 1e308}, "temperature"),  # float32 inf: logits / inf
+        ({"temperature": 100.5}, "temperature"),
+        ({"top_k": 2**63}, "top_k"),
+        ({"top_k": 2**31}, "top_k"),
+        ({"n": 2, "length_penalty": 1e308}, "length_penalty"),  # length ** inf ties every beam
+        ({"n": 2, "length_penalty": -10.5}, "length_penalty"),
+    ],
+)
+def test_sampling_knobs_past_float32_are_a_400_naming_them(http, sp, field):
+    r = http.post("/generate", json={"input_ids": PROMPT, "sampling_params": sp})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith(field), r.text
+    r = http.post("/v1/completions", json={"prompt": [PROMPT], "max_tokens": 1, **sp})
+    if "length_penalty" not in sp:  # an SGLang extra that OpenAI's body does not carry
+        assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+
+
+def test_sampling_knobs_at_their_bounds_are_served(http):
+    for sp in ({"temperature": 100.0}, {"top_k": 1 << 30}, {"n": 2, "length_penalty": 10.0}):
+        assert gen(http, {"max_new_tokens": 2, **sp})["output_ids"], sp
+
+
+@pytest.mark.parametrize("size", ["small", "large"])  # large: scanned off the event loop
+def test_a_key_named_twice_is_a_400_naming_it(http, size):
+    pad = "" if size == "small" else ', "rid_pad": [' + ",".join(["1"] * 40_000) + "]"
+    raw = (
+        '{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1, "temperature": 0, '
+        '"temperature": 5}' + pad + "}"
+    )
+    r = http.post("/generate", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert "'temperature' twice" in r.json()["error"]["message"], r.text
+    top = '{"input_ids": [1, 2], "input_ids": [3], "sampling_params": {"max_new_tokens": 1}}'
+    r = http.post("/generate", content=top, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "'input_ids' twice" in r.json()["error"]["message"], r.text
+    # the same key in two objects is fine
+    ok = '{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}, "max_new_tokens": 1}'
+    r = http.post("/generate", content=ok, headers={"content-type": "application/json"})
+    assert r.status_code != 500 and "twice" not in r.text, r.text
