@@ -12,7 +12,7 @@ from typing import Any
 
 from grctl.client.calls import Call, as_, compact, request_body, status_of, text
 from grctl.errors import ValidationError
-from grctl.model.dtypes import name_of
+from grctl.model.dtype_names import name_of
 from grctl.protocol import catalog, info
 from grctl.protocol import generate as gen
 from grctl.protocol import weights as w

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from grctl.knobs import check_knobs, knob
-from grctl.model.dtypes import SERVED_DTYPES
+from grctl.model.dtype_names import SERVED_DTYPE_NAMES
 
-DTYPE_CHOICES = ("auto", *SERVED_DTYPES)
+DTYPE_CHOICES = ("auto", *SERVED_DTYPE_NAMES)
 
 
 @dataclass(frozen=True)

@@ -3,12 +3,17 @@
 A dtype arrives as a name in config.json (`torch_dtype`), on the command line (`--dtype bf16`),
 in a distributed update's `dtypes` list ("bfloat16" or "torch.bfloat16"), in a safetensors
 header ("BF16"), as a `torch.<name>` global in a pushed pickle, and in a /weights_checker reply.
-Everything here is derived from one list of torch names, so the places cannot disagree.
+Everything here is derived from one list of torch names, so the places cannot disagree (the
+names alone, without torch, are in dtype_names.py).
 """
 
 from __future__ import annotations
 
 import torch
+
+from grctl.model.dtype_names import SERVED_DTYPE_NAMES, name_of
+
+__all__ = ["DTYPES", "SAFETENSORS", "SERVED_DTYPES", "WEIGHT_DTYPES", "from_name", "name_of"]
 
 # torch names, in the order safetensors' own names follow below (None: no safetensors name).
 _NAMES = (
@@ -48,19 +53,7 @@ SAFETENSORS: dict[str, torch.dtype] = {
 # What a parameter may be written from (the sink converts each to the parameter's dtype).
 WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # What the served model may be built in (--dtype and config.json's torch_dtype).
-SERVED_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "fp32": torch.float32,
-    "fp16": torch.float16,
-    "bf16": torch.bfloat16,
-}
-
-
-def name_of(dtype: torch.dtype | str) -> str:
-    """torch.bfloat16 (or the text "torch.bfloat16") -> "bfloat16"."""
-    return str(dtype).removeprefix("torch.")
+SERVED_DTYPES = {name: DTYPES[torch_name] for name, torch_name in SERVED_DTYPE_NAMES.items()}
 
 
 def from_name(text: object) -> torch.dtype | None:
