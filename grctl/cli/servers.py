@@ -1,9 +1,10 @@
-"""Calling each server in turn for a client command, then printing the replies (a table, or
+"""Calling every server of a client command at once, then printing the replies (a table, or
 the --json document of output.py) and raising once for the servers that failed."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from grctl.cli import report
@@ -12,21 +13,32 @@ from grctl.client import outcome
 from grctl.client.http import DEFAULT_URL, GRClient
 from grctl.errors import GrctlError
 
+MAX_THREADS = 64  # servers called at once; a larger fleet is called in waves of this many
 Row = tuple[str, Any]  # (url, the reply, or the GrctlError it raised)
 
 
 def each_server(
     urls: list[str] | None, api_key: str | None, timeout: float, fn: Callable[[GRClient], Any]
 ) -> list[Row]:
-    """Call `fn` on every server; an error is kept in its row (see `finish`)."""
-    rows: list[Row] = []
-    for url in urls or [DEFAULT_URL]:
+    """Call `fn` on every server at once (a thread each, as a push does), so a fleet's command
+    takes as long as its slowest server, not the sum; the rows keep the order of `urls`, and an
+    error is kept in its row (see `finish`)."""
+
+    def one(url: str) -> Row:
         try:
             with GRClient(url, api_key=api_key, timeout=timeout) as gr:
-                rows.append((url, fn(gr)))
+                return url, fn(gr)
         except GrctlError as exc:
-            rows.append((url, exc))
-    return rows
+            return url, exc
+
+    targets = list(urls or [DEFAULT_URL])
+    if len(targets) == 1:
+        return [one(targets[0])]
+    pool = ThreadPoolExecutor(min(len(targets), MAX_THREADS), thread_name_prefix="grctl-fleet")
+    try:
+        return list(pool.map(one, targets))
+    finally:  # Ctrl-C: do not wait out the calls still running
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def server_doc(url: str, reply: Any) -> dict[str, Any]:
