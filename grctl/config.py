@@ -33,6 +33,12 @@ class ServeConfig:
     max_http_request_bytes: int = knob(MiB, "Largest request body (413 over it).", "HTTP", min=1)
     max_http_submit_many: int = knob(32, "Most requests in one /submit_many.", "HTTP", min=1)
     generate_timeout_s: float = knob(300.0, "/generate answers 504 after this.", "HTTP", min=0.001)
+    beam_group_max_bytes: int = knob(
+        64 * MiB, "Bytes of multi-stage beam groups kept for beam_index calls.", "HTTP", min=1
+    )
+    beam_group_ttl_s: float = knob(
+        600.0, "Seconds a multi-stage beam group is kept for beam_index calls.", "HTTP", min=0.001
+    )
     log_requests: bool = knob(False, "Log one JSON line per request (stderr).", "HTTP")
     log_level: str = knob("info", "Server log level.", "HTTP", choices=LOG_LEVELS)
     log_format: str = knob("text", "Server log lines: text or json.", "HTTP", choices=LOG_FORMATS)

@@ -27,7 +27,7 @@ ALLOWED: dict[str, set[str]] = {
     "engine": {"engine.search", "model", "catalog", "knobs", "errors"},
     "weights.wire": {"model", "errors"},
     "weights": {"weights.wire", "engine", "model", "knobs", "errors"},
-    "testing": {"weights", "weights.wire", "model", "errors"},
+    "testing": {"engine", "weights", "weights.wire", "model", "errors"},
     "config": {"engine", "knobs", "errors"},
     "server": {
         "config",

@@ -86,7 +86,7 @@ class StageSpan(Struct, kw_only=True):
     end: int = 0
 
 
-class StageGroupOut(Struct, kw_only=True, omit_defaults=True):
+class StageGroupOut(Struct, kw_only=True):
     """One reasoning sample and the beams that continue it: a GRPO group."""
 
     group_id: str = ""

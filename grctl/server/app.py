@@ -10,6 +10,7 @@ app.state holds what handlers share:
   updater       the WeightUpdater: one update at a time, and the update session; it owns the
                 labels and counters (updater.versions, /status "weights")
   weights_checker  the snapshot kept by /weights_checker
+  beam_groups   the multi-stage groups verl-GR reads one beam_index at a time (beam_groups.py)
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from grctl.catalog.store import CatalogStore
 from grctl.config import ServeConfig
 from grctl.model.builtin import DEFAULT_MODEL_NAME
 from grctl.server.auth import api_key_guard
+from grctl.server.beam_groups import BeamGroups
 from grctl.server.body import StrictJSONRequest
 from grctl.server.exceptions import EXCEPTION_HANDLERS
 from grctl.server.limits import BodyLimitMiddleware
@@ -88,6 +90,7 @@ def create_app(engine: Any, config: ServeConfig, tokenizer: Any | None = None) -
             "metrics": metrics,
             "updater": WeightUpdater(engine),
             "weights_checker": WeightsChecker(),
+            "beam_groups": BeamGroups(config.beam_group_max_bytes, config.beam_group_ttl_s),
             # One thread per waiting call; enough that every queued request can be awaited.
             "waiters": anyio.CapacityLimiter(
                 config.engine.max_running_requests + config.engine.max_waiting_requests + 8

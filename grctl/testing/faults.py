@@ -7,7 +7,11 @@ when set, limits it to checkpoints under that directory. GRCTL_FAULT_SYNC_ERROR_
 sync that carries a catalog raise RuntimeError at that step (updater.sync_hooks: catalog_built,
 after the catalog is built and before the weights are validated; weights_written, after the
 weights are written and before the catalog is installed); GRCTL_FAULT_SYNC_ERROR_PATH, when
-set, limits it to catalogs under that directory. The server calls `install_from_env`
+set, limits it to catalogs under that directory. GRCTL_FAULT_STAGE_HOLD=BOUNDARY (a multi-stage
+boundary of engine/stages.py: before_reasoning, after_reasoning, after_items) with
+GRCTL_FAULT_STAGE_HOLD_DIR=DIR holds every multi-stage group there: it writes DIR/BOUNDARY.held
+and waits (up to 60 s) for DIR/BOUNDARY.go, so a test can write weights exactly at that
+boundary; once the .go file exists, later groups pass. The server calls `install_from_env`
 at start; with no variable set nothing is installed. tests/e2e/test_faults.py and
 tests/e2e/test_catalog_sync.py use them; never set any in production.
 """
@@ -17,10 +21,12 @@ from __future__ import annotations
 import errno
 import functools
 import os
+import time
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
 
+from grctl.engine import stages
 from grctl.weights import checkpoint, updater
 
 _num_fetched: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -33,6 +39,9 @@ def install_from_env(env: Mapping[str, str] = os.environ) -> None:
     if step and not any(getattr(h, "func", None) is _sync_error_at for h in updater.sync_hooks):
         where = env.get("GRCTL_FAULT_SYNC_ERROR_PATH")
         updater.sync_hooks.append(functools.partial(_sync_error_at, step, where))
+    hold, hold_dir = env.get("GRCTL_FAULT_STAGE_HOLD"), env.get("GRCTL_FAULT_STAGE_HOLD_DIR")
+    if hold and hold_dir and not any(getattr(h, "func", None) is _stage_hold for h in stages.hooks):
+        stages.hooks.append(functools.partial(_stage_hold, hold, Path(hold_dir)))
     after = env.get("GRCTL_FAULT_READ_ERROR_AFTER")
     installed = [getattr(hook, "func", None) for hook in checkpoint.read_hooks]
     if after is None or _read_error_after in installed:
@@ -55,3 +64,15 @@ def _sync_error_at(at: str, only: str | None, step: str, catalog_path: str) -> N
         return
     if step == at:
         raise RuntimeError(f"injected sync error at {step} (test hook)")
+
+
+def _stage_hold(at: str, where: Path, boundary: str, request_id: str) -> None:
+    if boundary != at:
+        return
+    go = where / f"{at}.go"
+    if go.exists():
+        return
+    (where / f"{at}.held").write_text(request_id)
+    deadline = time.monotonic() + 60.0
+    while not go.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)

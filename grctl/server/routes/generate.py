@@ -17,7 +17,9 @@ from litestar.datastructures import State
 from litestar.params import Body, Parameter
 from litestar.status_codes import HTTP_202_ACCEPTED
 
+from grctl.engine import stages
 from grctl.engine.request import GenerateRequest, GenerateResult
+from grctl.engine.stages import StagedRequest
 from grctl.engine.validation import validate_request
 from grctl.errors import DuplicateRequestId, PayloadTooLarge
 from grctl.errors import ValidationError as BadRequest
@@ -37,6 +39,7 @@ from grctl.server.disconnect import unless_disconnected
 from grctl.server.offload import offload
 from grctl.server.openapi import error_responses
 from grctl.server.params import seconds
+from grctl.server.staged import run_staged
 from grctl.server.translation.generate import is_parallel, to_requests, to_response
 
 
@@ -68,6 +71,20 @@ async def generate(
     reqs, is_batch = await offload(
         state, to_requests, data or GenerateBody(), state.tokenizer, state.config.parallel_sampling
     )
+    if reqs and isinstance(reqs[0], StagedRequest):  # to_requests: all of a batch, or none
+        control = stages.Control()
+        replies = await unless_disconnected(
+            request,
+            lambda: offload(
+                state,
+                run_staged,
+                state,
+                reqs,
+                control,
+                on_cancel=lambda: control.cancel(state.engine),
+            ),
+        )
+        return replies if is_batch else replies[0]
     # A client that goes away cancels its requests (run_to_end's on_cancel).
     results = await unless_disconnected(request, lambda: run_to_end(state, reqs))
     replies = await offload(state, responses, results, state.tokenizer)
@@ -150,7 +167,13 @@ def one_request(body: GenerateBody, tokenizer) -> GenerateRequest:
 
 
 def one_sequence(state: State, req: GenerateRequest) -> None:
-    """Under --parallel-sampling, n samples are n replies: only /generate answers them."""
+    """Under --parallel-sampling, n samples are n replies: only /generate answers them; and
+    only /generate runs multi-stage requests."""
+    if isinstance(req, StagedRequest):
+        raise BadRequest(
+            "a multi-stage request is served by /generate only",
+            hint='docs/http-api.md "Multi-stage requests"',
+        )
     if state.config.parallel_sampling and is_parallel(req):
         raise BadRequest(
             f"n {req.sampling.n} without beam_width is {req.sampling.n} samples under "
@@ -213,6 +236,7 @@ async def abort_request(
     body = data or AbortRequestBody()
     if body.abort_all:
         num = state.engine.abort_all()
+        await offload(state, state.beam_groups.clear)
     elif body.rid:  # SGLang semantics: an unknown or finished rid is not an error
         num = int(state.engine.cancel(body.rid))
     else:

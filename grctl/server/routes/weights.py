@@ -58,6 +58,8 @@ async def pause_generation(
 ) -> PauseResponse:
     mode = (data or PauseBody()).mode
     num = await offload(state, state.engine.pause, mode)
+    if mode == "abort":  # the groups it cut short, and every kept one (verl-GR's reset)
+        await offload(state, state.beam_groups.clear)
     logs.event("pause", mode=mode, aborted=num)
     return PauseResponse(paused=True, mode=mode, num_aborted_requests=num)
 

@@ -10,6 +10,7 @@ import msgspec
 
 from grctl.engine.request import GenerateRequest, GenerateResult, TextOptions, new_request_id
 from grctl.engine.search.beam import BeamResult
+from grctl.engine.stages import StagedRequest
 from grctl.errors import DuplicateRequestId, ValidationError
 from grctl.protocol.catalog import ItemResultOut
 from grctl.protocol.generate import (
@@ -30,7 +31,7 @@ from grctl.server.translation.sampling import (
     wants_top_p_token_ids,
     with_custom_params,
 )
-from grctl.server.translation.stages import is_multi_stage
+from grctl.server.translation.stages import is_multi_stage, staged_request
 
 
 def prompt_rows(body: GenerateBody, tokenizer: Any | None) -> tuple[list[list[int]], bool]:
@@ -94,28 +95,29 @@ def to_requests(
         sp = sp or SamplingParamsBody()
         top_p_ids = wants_top_p_token_ids(sp)
         sp = with_custom_params(sp)
-        if is_multi_stage(sp):
-            raise ValidationError(
-                "multi-stage requests (sampling_params.reasoning, verl-GR's decode_config, "
-                "beam_group_id, ...) are not served yet",
-                hint='docs/http-api.md "Multi-stage requests"',
-            )
-        reqs.append(
-            GenerateRequest(
-                input_ids=tuple(row),
-                sampling=sampling_of(body, sp),
-                return_logprob=body.return_logprob,
-                request_id=rid or new_request_id(),
-                top_logprobs_num=body.top_logprobs_num,
-                # SGLang ignores it without return_logprob
-                logprob_start_len=start if body.return_logprob else -1,
-                return_original_logprob=body.return_original_logprob,
-                return_sampling_mask=body.return_sampling_mask or top_p_ids,
-                detokenize=detokenize,
-                text=text_options_of(body, sp, top_p_ids),
-            )
+        req = GenerateRequest(
+            input_ids=tuple(row),
+            sampling=sampling_of(body, sp),
+            return_logprob=body.return_logprob,
+            request_id=rid or new_request_id(),
+            top_logprobs_num=body.top_logprobs_num,
+            # SGLang ignores it without return_logprob
+            logprob_start_len=start if body.return_logprob else -1,
+            return_original_logprob=body.return_original_logprob,
+            return_sampling_mask=body.return_sampling_mask or top_p_ids,
+            detokenize=detokenize,
+            text=text_options_of(body, sp, top_p_ids),
         )
-    if parallel_sampling and any(is_parallel(r) for r in reqs):
+        if is_multi_stage(sp):
+            req = staged_request(body, sp, req.sampling, req, tokenizer)
+        reqs.append(req)
+    staged = [isinstance(r, StagedRequest) for r in reqs]
+    if any(staged) and not all(staged):
+        raise ValidationError(
+            "a batch mixes multi-stage and one-stage prompts",
+            hint="send them as two requests",
+        )
+    if parallel_sampling and not any(staged) and any(is_parallel(r) for r in reqs):
         return parallel_samples(reqs, rids), True
     return reqs, is_batch
 
