@@ -121,6 +121,7 @@ def update_from_distributed(
     flush_cache: bool = True,
     abort_all_requests: bool = False,
     catalog_path: str | None = None,  # the catalog of these weights, installed with them
+    refusal: Exception | None = None,  # the route refused the update's options
 ) -> UpdateOutcome:
     if load_format not in LOAD_FORMATS:
         raise ValidationError(
@@ -149,6 +150,8 @@ def update_from_distributed(
             ) from exc
 
     def plan_then_receive() -> list[apply.Write]:
+        if refusal is not None:  # drained below (on_refusal), then raised as it is
+            raise refusal
         names = [s.name for s in specs]
         if len(set(names)) != len(names):  # the entries' shapes still say what was sent
             raise ValidationError("names must not repeat within one update")

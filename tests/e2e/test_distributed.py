@@ -267,6 +267,32 @@ def test_a_refused_update_still_drains_the_broadcast(urls, ckpts):
     assert greedy(url) == hf_generate(load_hf(ckpts["seed2"]), PROMPT, MAX_NEW)
 
 
+def test_an_update_refused_by_its_options_still_drains_the_broadcast(urls, ckpts):
+    """A catalog_path the server refuses (403: catalog reloads are off; a path out of bounds
+    is the same check) or a selector it does not serve (400) was refused by the route before
+    the broadcast was received: the trainer's broadcast hung until the group timed out and
+    the next update was a 500. Each is now answered after the broadcast is taken into
+    scratch; nothing is written, and the group still lines up for the next update."""
+    url, state = urls[1], load_hf(ckpts["seed1"]).state_dict()
+    before = checksums(url)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    with WeightBroadcaster([url], timeout_s=TIMEOUT_S) as wb:
+        body = {"names": [q], "dtypes": ["float32"], "shapes": [list(state[q].shape)],
+                "group_name": wb.name, "weight_version": "refused"}  # fmt: skip
+        for extra, status, code in (
+            ({"catalog_path": "/etc/passwd"}, 403, "route_disabled"),
+            ({"catalog_path": ""}, 403, "route_disabled"),
+            ({"selector": "draft"}, 400, "validation_error"),
+        ):
+            reply = update_beside_its_broadcast(wb, url, {**body, **extra}, [state[q].clone()])
+            assert_error(reply, status, code)
+            assert reply.json()["success"] is False
+        assert checksums(url) == before  # nothing written
+        assert httpx.get(url + "/get_weight_version").json()["weight_version"] != "refused"
+        wb.send(state.items(), weight_version="seed1")  # still in step: it lines up
+    assert checksums(url) == expected_sums(state, before)
+
+
 def test_init_refuses_bad_args_and_times_out_without_a_trainer(urls):
     url = urls[0]
 

@@ -20,7 +20,7 @@ from litestar import Router, post
 from litestar.datastructures import State
 from litestar.params import Body
 
-from grctl.errors import Forbidden, ValidationError
+from grctl.errors import Forbidden, GrctlError, ValidationError
 from grctl.protocol.weights import (
     DestroyGroupBody,
     InitGroupBody,
@@ -214,9 +214,13 @@ async def update_weights_from_distributed(
     state: State, data: Annotated[UpdateFromDistributedBody | None, Body()] = None
 ) -> SuccessResponse:
     body = data or UpdateFromDistributedBody()
-    check_selector(body.selector)
     # No require_weights here: released weights are refused after the broadcast is received.
     specs = distributed.parse_specs(body.names, body.dtypes, body.shapes)
+    try:  # refused by its options (a catalog_path, a selector): the broadcast is still taken
+        check_selector(body.selector)
+        options, refusal = update_options(state, body), None
+    except GrctlError as exc:
+        options, refusal = {}, exc
     outcome = await offload(
         state,
         distributed.update_from_distributed,
@@ -225,7 +229,8 @@ async def update_weights_from_distributed(
         body.group_name,
         specs,
         load_format=body.load_format,
-        **update_options(state, body),
+        refusal=refusal,
+        **options,
     )
     log_update(state, "distributed", outcome)
     catalog = "" if outcome.catalog_version is None else f"; catalog {outcome.catalog_version}"
