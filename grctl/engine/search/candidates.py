@@ -165,21 +165,26 @@ def _collect_group(
     lengths = np.array(g.num_rows) * w
     starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
     top, pos = segment_topk(key.flatten(), starts, lengths, kk)
-    pos = pos.clamp(max=key.numel() - 1)
+    # a request with fewer candidates than kk (a narrow trie level, its prefill row) gets
+    # padding: a dead candidate of its own first row (its parent must be one of its own beams,
+    # never a row of the request batched after it), token and node 0, -inf everywhere
+    pad = pos >= key.numel()
+    pos = torch.where(pad, torch.from_numpy(starts).to(dev)[:, None], pos)
     limit = torch.tensor([b.num_candidates for b in g.beams], device=dev)
     top = top.masked_fill(torch.arange(kk, device=dev)[None] >= limit[:, None], NEG_INF)
     reqs = torch.tensor(g.reqs, device=dev)
     out.key[reqs] = top
-    for name, t in (
-        ("score", score),
-        ("phi", phi),
-        ("token", tok),
-        ("node", node),
-        ("row", parent_row),
-        ("item_end", end),
-        ("blp", blp),
+    for name, t, fill in (
+        ("score", score, NEG_INF),
+        ("phi", phi, NEG_INF),
+        ("token", tok, 0),
+        ("node", node, 0),
+        ("row", parent_row, None),
+        ("item_end", end, False),
+        ("blp", blp, NEG_INF),
     ):
-        getattr(out, name)[reqs] = t.flatten()[pos]
+        got = t.flatten()[pos]
+        getattr(out, name)[reqs] = got if fill is None else got.masked_fill(pad, fill)
 
 
 def _children(x, lse, par: Parents, rows, g: Group, trie):
