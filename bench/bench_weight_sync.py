@@ -282,6 +282,9 @@ def sync_part(srv, ckpts: list[Path], nbytes: int, repeats: int, bucket_mb: floa
     return out
 
 
+# OpenMP's own default (GNU OpenMP spins 300,000 times before it sleeps when OMP_WAIT_POLICY is
+# unset); setting it keeps grctl's passive default away (grctl/threads.py)
+OPENMP_SPIN = {"GOMP_SPINCOUNT": "300000"}
 SMALL_CONFIG = ModelConfig(
     num_layers=2,
     hidden_size=256,
@@ -297,22 +300,21 @@ SMALL_CONFIG = ModelConfig(
 
 def small_part(repeats: int, tmp: Path) -> dict:
     """A trainer's small model synced from this process, as a state dict and as an Arena, to a
-    server with OpenMP's default wait policy and to one with OMP_WAIT_POLICY=passive (what
-    docs/client.md recommends when the trainer and the server share cores)."""
+    server started with no variable set (grctl's default: OMP_WAIT_POLICY=passive,
+    grctl/threads.py) and to one with OpenMP's own default restored (GOMP_SPINCOUNT=300000:
+    idle threads spin before they sleep, what a server got before grctl set the policy)."""
     path = tmp / "small"
     nbytes = write_random_checkpoint(path, SMALL_CONFIG, num_shards=1, seed=3)
     with Checkpoint(path) as ckpt:
         state = dict(ckpt.iter_tensors())
     out: dict = {"model_bytes": nbytes, "num_tensors": len(state)}
-    for policy, env in (
-        ("server_default", None),
-        ("server_passive", {"OMP_WAIT_POLICY": "passive"}),
-    ):
+    policies = {"server_default": None, "server_openmp_spin": OPENMP_SPIN}
+    for policy, env in policies.items():
         out[policy] = small_syncs(path, state, repeats, env)
-    for policy in ("server_default", "server_passive"):
+    for policy in policies:
         for name in ("state_dict", "arena"):
             out[f"{policy}.{name}_fixed_ms"] = out[policy][f"{name}_fixed_ms"]
-    out["arena_fixed_ms"] = out["server_passive"]["arena_fixed_ms"]
+    out["arena_fixed_ms"] = out["server_default"]["arena_fixed_ms"]
     return out
 
 
@@ -352,8 +354,8 @@ def big_part(out: dict, parts, ckpts: list[Path], args) -> None:
     nbytes = ensure_checkpoint(ckpts[0], seed=0)
     assert ensure_checkpoint(ckpts[1], seed=1) == nbytes
     flags = ("--allow-weight-update", "--model-path", str(ckpts[0]), "--device", "cpu")
-    env = {"OMP_WAIT_POLICY": "passive"} if args.omp_passive else None
-    out["server_omp_wait_policy"] = "passive" if args.omp_passive else "default"
+    env = OPENMP_SPIN if args.omp_spin else None
+    out["server_omp_wait_policy"] = "openmp_spin" if args.omp_spin else "grctl_default"
     with running_server(*flags, start_timeout=300, env=env) as srv:
         out["server_rss_anon_bytes_at_start"] = rss_anon_bytes(srv.proc.pid)
         if "window" in parts:
@@ -375,8 +377,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=4, help="updates per part, alternating B, A")
     ap.add_argument("--cycles", type=int, default=200, help="empty sync windows")
     ap.add_argument("--bucket-mb", type=float, default=512)
-    passive = "start the 1 GB server with OMP_WAIT_POLICY=passive (docs/client.md)"
-    ap.add_argument("--omp-passive", action="store_true", help=passive)
+    spin = "start the 1 GB server with OpenMP's own spin-wait (GOMP_SPINCOUNT=300000)"
+    ap.add_argument("--omp-spin", action="store_true", help=spin)
     args = ap.parse_args()
     parts = PARTS if args.part == "all" else (args.part,)
     ckpts = [Path(args.dir), Path(args.dir_b)]

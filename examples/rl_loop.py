@@ -4,7 +4,7 @@ update here on transformers' Qwen3, and each step's weights pushed back from mem
     python examples/rl_loop.py                    # starts its own server (= grctl demo --rl)
 
     python examples/rl_loop.py --write-catalog rl_catalog.jsonl
-    OMP_WAIT_POLICY=passive grctl serve --allow-weight-update --catalog rl_catalog.jsonl \\
+    grctl serve --allow-weight-update --catalog rl_catalog.jsonl \\
         --port 30000 &
     python examples/rl_loop.py --url http://127.0.0.1:30000
 

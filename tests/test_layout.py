@@ -19,6 +19,7 @@ PACKAGE = ROOT / "grctl"
 # grctl (grctl.engine.scheduler -> engine), except the subpackages named here on their own.
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
+    "threads": set(),
     "knobs": {"errors"},
     "model": {"errors"},
     "catalog": {"errors"},
@@ -41,6 +42,7 @@ ALLOWED: dict[str, set[str]] = {
         "knobs",
         "errors",
         "testing",
+        "threads",
     },
     "client": {"protocol", "weights", "weights.wire", "model", "errors"},
     # the trainer's side, imported beside its own model: never the server or engine internals
@@ -61,6 +63,7 @@ ALLOWED: dict[str, set[str]] = {
         "model",
         "knobs",
         "errors",
+        "threads",
     },
     "": set(),  # grctl/__init__.py: the version only
     "__main__": {"cli"},

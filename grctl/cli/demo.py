@@ -229,8 +229,9 @@ def run_rl_demo(
     plot: Path | None = Path("rl_reward.png"),
 ) -> list:
     """The RL loop against a server started here with the task's catalog; returns its rows.
-    The server starts with OMP_WAIT_POLICY=passive (unless set): its idle OpenMP threads sleep
-    instead of spinning on the cores the trainer's step needs (grctl/cli/rl/trainer.py)."""
+    The server's own entry point starts it with OMP_WAIT_POLICY=passive (unless set,
+    grctl/threads.py): its idle OpenMP threads sleep instead of spinning on the cores the
+    trainer's step needs (grctl/cli/rl/trainer.py)."""
     try:
         import transformers  # noqa: F401  the trainer's side of the loop is transformers' Qwen3
     except ImportError:
@@ -244,7 +245,6 @@ def run_rl_demo(
 
     task = make_task()
     lr = DEFAULT_LR if lr is None else lr
-    os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # read by the server at its start
     with tempfile.TemporaryDirectory(prefix="grctl-rl-") as tmp:
         root = Path(tmp)
         catalog = task.write_catalog(root / "catalog.jsonl")

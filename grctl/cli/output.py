@@ -9,7 +9,7 @@
 With --json, stdout holds exactly one JSON document, also when the command fails: a failure
 inside the command emits `{"command", "ok": false, "error": {code, message, retryable, status}}`
 unless the command already emitted its own (per-server) document. The exit code is the same
-with or without --json (EXIT_* below, documented in docs/cli.md); main() in grctl/cli/app.py maps
+with or without --json (EXIT_* below, documented in docs/cli.md); main() in grctl/cli/root.py maps
 exceptions to them.
 """
 

@@ -11,8 +11,10 @@ import gc
 import logging
 import threading
 
+import torch
 import uvicorn
 
+from grctl import threads
 from grctl.config import ServeConfig
 from grctl.engine.engine import Engine
 from grctl.model.builtin import DEFAULT_MODEL_NAME
@@ -56,6 +58,7 @@ def serve(config: ServeConfig) -> None:
         config.url,
         " (API key required)" if config.api_key else "",
     )
+    log.info("threads: torch %d; %s", torch.get_num_threads(), threads.describe())
     uv_config = uvicorn.Config(
         app,
         host=config.host,

@@ -82,13 +82,16 @@ def running_server(
     env: dict[str, str] | None = None,
     start_timeout: float = 120.0,
     stop_timeout: float = 30.0,
+    clean_env: bool = False,
 ) -> Iterator[ServerProc]:
-    """Yield a started server; extra CLI flags in `args`, extra environment in `env`."""
+    """Yield a started server; extra CLI flags in `args`, extra environment in `env` (with
+    clean_env, `env` and PATH only, not this process's environment)."""
     port = free_port()
     cmd = [sys.executable, "-m", "grctl", "serve", "--host", "127.0.0.1", "--port", str(port)]
     if not any(a == "--device" or a.startswith("--device=") for a in args):
         cmd += ["--device", "cpu"]
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    base = {"PATH": os.environ.get("PATH", "")} if clean_env else os.environ
+    full_env = {**base, "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(REPO_ROOT), full_env.get("PYTHONPATH")) if p
     )

@@ -14,9 +14,9 @@ Threads: trainer and server share the machine's cores. PyTorch's CPU ops run as 
 whose idle workers spin-wait for the next region; two processes each spinning on all cores
 take turns at a crawl (issue 28 measured this trainer's step at 7.6 s, 0.21 s without the
 contention). So the trainer runs on `threads` torch threads (torch.set_num_threads, default
-1: a 3.4M-parameter model gains nothing from more), and the demo starts the server with
-OMP_WAIT_POLICY=passive (idle OpenMP threads sleep instead of spinning; it must be set before
-the process starts its OpenMP runtime, hence in the server's environment, not here).
+1: a 3.4M-parameter model gains nothing from more), and `grctl serve` starts with
+OMP_WAIT_POLICY=passive (grctl/threads.py: idle OpenMP threads sleep instead of spinning; it
+must be set before the process loads its OpenMP runtime, hence in the server, not here).
 """
 
 from __future__ import annotations
