@@ -26,18 +26,20 @@ def spin_count(text: str) -> int:
     return int(found[0])
 
 
-def grctl_version(env: dict[str, str]) -> str:
-    """`python -m grctl --version` (which loads torch) from a clean environment plus env."""
+def serve_missing_model(env: dict[str, str]) -> str:
+    """`python -m grctl serve` of a missing checkpoint from a clean environment plus env: it
+    loads torch (and OpenMP), then exits with its error."""
     full = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(REPO_ROOT), **env}
+    missing = str(REPO_ROOT / "no-such-checkpoint")
     done = subprocess.run(
-        [sys.executable, "-m", "grctl", "--version"],
+        [sys.executable, "-m", "grctl", "serve", "--device", "cpu", "--model-path", missing],
         capture_output=True,
         text=True,
         env=full,
         cwd=REPO_ROOT,
         timeout=120,
     )
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 1 and "does not exist" in done.stderr, done.stderr
     return done.stdout + done.stderr
 
 
@@ -57,7 +59,7 @@ def test_the_server_from_a_clean_environment_waits_passively():
     ],
 )
 def test_the_entry_point_sets_the_policy_unless_the_user_did(env, spins):
-    got = spin_count(grctl_version({"OMP_DISPLAY_ENV": "verbose", **env}))
+    got = spin_count(serve_missing_model({"OMP_DISPLAY_ENV": "verbose", **env}))
     if spins is None:
         assert got > 300_000, got  # active: far above the unset default
     else:
