@@ -1,10 +1,11 @@
-"""`grctl catalog status | reload PATH | rollback | validate PATH`.
+"""`grctl catalog status | reload PATH | rollback | validate PATH | from-sids TABLE`.
 
 status, reload and rollback call servers (--url, repeatable; --api-key); validate reads a file
 here, with no server: counts, the depth histogram, collisions, items no beam can reach, and
 token ids outside the vocabulary (--vocab-size, or the config.json of --model-path); it exits 1
-on a file a server would refuse. Every command takes --json: one JSON document on stdout, the
-shape every client command uses (grctl/cli/output.py; docs/cli.md).
+on a file a server would refuse. from-sids writes the catalog of OpenOneRec's pid -> SID table
+through a tokenizer (grctl/catalog/sids.py), then validates it. Every command takes --json: one
+JSON document on stdout, the shape every client command uses (grctl/cli/output.py; docs/cli.md).
 """
 
 from __future__ import annotations
@@ -131,3 +132,68 @@ def vocab_of(model_path: Path) -> int:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         msg = f"cannot read vocab_size from {model_path}/config.json: {exc}"
         raise ValidationError(msg) from None
+
+
+@catalog_app.command("from-sids")
+def from_sids(
+    table: Annotated[
+        Path, typer.Argument(help="pid -> SID table: .parquet (pid, sid), .jsonl, .json, .tsv.")
+    ],
+    tokenizer: Annotated[
+        Path, typer.Option(help="The expanded model's directory: its tokenizer gives the ids.")
+    ],
+    output: Annotated[Path, typer.Option("--output", "-o", help="The catalog JSONL to write.")],
+    with_begin: Annotated[
+        bool, typer.Option(help="Start each path with <|sid_begin|> (off: a forced prefix has it).")
+    ] = False,
+    with_end: Annotated[bool, typer.Option(help="End each path with <|sid_end|>.")] = True,
+    json_: Json = False,
+):
+    """Write the catalog of OpenOneRec's SIDs: each pid's level tokens, then <|sid_end|>."""
+    with command_output("catalog from-sids", json_) as out:
+        report = run_from_sids(table, tokenizer, output, with_begin, with_end)
+        out.emit(report, human=lambda: console.print(checks_table(f"catalog {output}", report)))
+    if not report["ok"]:
+        raise typer.Exit(1)
+
+
+def run_from_sids(
+    table: Path, tokenizer: Path, output: Path, with_begin: bool, with_end: bool
+) -> dict[str, Any]:
+    from grctl.catalog.sids import catalog_lines, read_sid_table, sid_catalog, sid_codes, sid_text
+
+    report: dict[str, Any] = {"table": str(table), "path": str(output), "ok": False}
+    try:
+        tok = load_tokenizer(tokenizer)
+        vocab = tok.get_vocab()
+        rows_in = read_sid_table(table)
+        rows = sid_catalog(
+            rows_in, vocab, source=str(table), with_begin=with_begin, with_end=with_end
+        )
+        for i, (pid, sid) in enumerate(rows_in[:16]):  # the tokenizer spells each SID so too
+            ids = tok.encode(sid_text(sid_codes(sid)), add_special_tokens=False)
+            want = rows.paths[i, : rows.lengths[i]].tolist()
+            got = ids[int(not with_begin) : len(ids) - int(not with_end)]
+            if got != want:
+                raise ValidationError(
+                    f"the tokenizer of {tokenizer} encodes pid {pid!r}'s SID as {ids}, not as "
+                    "one token per level between <|sid_begin|> and <|sid_end|>",
+                    hint="add the SID tokens to the tokenizer (tokenizer.add_tokens)",
+                )
+    except ValidationError as exc:
+        report["error"] = str(exc)
+        return report
+    output.write_bytes(catalog_lines(rows))
+    config = tokenizer / "config.json"
+    report.update(run_validate(str(output), None, tokenizer if config.is_file() else None))
+    report.update(table=str(table), num_levels=int(rows.lengths.max()) - with_begin - with_end)
+    return report
+
+
+def load_tokenizer(path: Path):
+    import transformers
+
+    try:
+        return transformers.AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as exc:
+        raise ValidationError(f"no tokenizer at {path}: {exc}") from None

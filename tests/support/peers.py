@@ -42,8 +42,8 @@ def _snapshot(repo: str) -> tuple[str, Path] | None:
 
 
 def extract(repo: str, folder: str, dest: Path) -> str:
-    """Copy `folder` of the snapshot of `repo` into dest; returns the snapshot's commit (or
-    path). Skips the test when there is no snapshot."""
+    """Copy `folder` (or one file) of the snapshot of `repo` into dest; returns the snapshot's
+    commit (or path). Skips the test when there is no snapshot."""
     found = _snapshot(repo)
     if found is None:
         pytest.skip(f"no snapshot of {repo} under GRCTL_PEERS_DIR={PEERS_DIR}")
@@ -51,7 +51,11 @@ def extract(repo: str, folder: str, dest: Path) -> str:
     if kind == "tree":
         import shutil
 
-        shutil.copytree(where / folder, dest / folder)
+        if (where / folder).is_file():  # one file of the snapshot
+            (dest / folder).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(where / folder, dest / folder)
+        else:
+            shutil.copytree(where / folder, dest / folder)
         return str(where)
     git = ["git", f"--git-dir={where}"]
     commit = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True, check=True)
