@@ -191,7 +191,12 @@ def run_from_sids(
 
 
 def load_tokenizer(path: Path):
-    import transformers
+    try:
+        import transformers
+    except ImportError:
+        raise ValidationError(
+            "reading the tokenizer needs transformers", hint="pip install transformers"
+        ) from None
 
     try:
         return transformers.AutoTokenizer.from_pretrained(str(path))
