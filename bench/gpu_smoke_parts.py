@@ -124,6 +124,16 @@ def graphs_part(device: torch.device) -> dict:
     assert graphs is not None, "no CUDA graphs were captured"
     before, replays0 = outputs(graphed), graphs.num_replays
     same_before = before == outputs(eager)
+    seconds = {}
+    for name, eng in (("graphs", graphed), ("eager", eager)):  # warm now: best of 3
+        runs = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            outputs(eng)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            runs.append(time.perf_counter() - t0)
+        seconds[name] = min(runs)
     with graphed.exclusive():  # an in-place weight update: same storage, new values
         model.norm.weight.mul_(-1.0)
         model.layers[0].mlp.down_proj.weight.mul_(3.0)
@@ -134,7 +144,56 @@ def graphs_part(device: torch.device) -> dict:
         "outputs_moved_with_the_weights": after != before,
         "replays": graphs.num_replays - replays0,
         "buckets": graphs.stats()["buckets"],
-        "ratios": [f"graphs == eager: {same_before}, after an in-place update: {after != before}"],
+        "graphs_ms": round(seconds["graphs"] * 1e3, 2),
+        "eager_ms": round(seconds["eager"] * 1e3, 2),
+        "ratios": [
+            f"graphs == eager: {same_before}, after an in-place update: {after != before}",
+            f"decode of the 4 requests through graphs / eager: "
+            f"{seconds['graphs'] / seconds['eager']:.3f} ({seconds['graphs'] * 1e3:.1f} ms vs "
+            f"{seconds['eager'] * 1e3:.1f} ms, best of 3; the tiny shape: launch-bound)",
+        ],
+    }
+
+
+# ---- the device's outputs against the CPU path ----------------------------------------------
+
+
+def parity_part(device: torch.device) -> dict:
+    """Greedy and beam outputs of one model on `device` against the same weights on the CPU
+    (float32 both, the head scaled so that the random logits are far apart: a near-tie may
+    flip between two devices' summation orders, a real bug flips many)."""
+    cpu = torch.device("cpu")
+    ref = build(SHAPES["tiny"], cpu, torch.float32, seed=5)
+    with torch.no_grad():
+        ref.lm_head.weight.mul_(40.0)
+    dev = empty_model(ref.config, device, torch.float32)
+    dev.load_state_dict(ref.state_dict())
+    gen = torch.Generator().manual_seed(2)
+    prompts = [tuple(torch.randint(0, 512, (9 + 7 * i,), generator=gen).tolist()) for i in range(4)]
+    cases = {
+        "greedy": SamplingParams(max_new_tokens=8),
+        "beam_8": SamplingParams(max_new_tokens=3, n=8),
+    }
+
+    def outputs(model, where) -> dict:
+        eng = Engine(model, EngineConfig(device=str(where)))
+        return {
+            case: [
+                [b.output_ids for b in r.beams]
+                for r in run_all(eng, [GenerateRequest(p, sp) for p in prompts])
+            ]
+            for case, sp in cases.items()
+        }
+
+    want, got = outputs(ref, cpu), outputs(dev, device)
+    equal = {case: want[case] == got[case] for case in cases}
+    return {
+        **{f"{case}_equal_to_cpu": ok for case, ok in equal.items()},
+        "mismatches": {c: [got[c], want[c]] for c, ok in equal.items() if not ok},
+        "ratios": [
+            f"{device.type} outputs == CPU path: "
+            + ", ".join(f"{c} {ok}" for c, ok in equal.items())
+        ],
     }
 
 
