@@ -94,6 +94,13 @@ class WeightsInconsistent(GrctlError):
     code, status, retryable = "weights_inconsistent", 503, True
 
 
+class WeightsDiscarded(GrctlError):
+    """A memory release dropped the weights' bytes (no host backup, SGLang's default): nothing
+    is served until the trainer writes them again after resume."""
+
+    code, status, retryable = "weights_discarded", 503, True
+
+
 class WeightsInconsistentConflict(WeightsInconsistent):
     """/continue_generation or /end_weight_update while tensors are torn: 409."""
 
@@ -176,6 +183,7 @@ ERRORS_BY_CODE: dict[str, type[GrctlError]] = {
         InternalError,
         Paused,
         WeightsInconsistent,
+        WeightsDiscarded,
         MemoryReleased,
         WeightsMixed,
         NotReady,

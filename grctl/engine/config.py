@@ -113,6 +113,19 @@ class EngineConfig:
         aliases=("--allow-partial-weight-update",),
         old_env=("GR_ALLOW_PARTIAL_WEIGHT_UPDATE",),
     )
+    enable_weights_cpu_backup: bool = knob(
+        False,
+        "Keep a host copy of the weights a memory release frees (SGLang's flag); off: they "
+        "are dropped, and served again once the trainer pushes them.",
+        "Weight updates",
+    )
+    preserve_parameter_names: str | None = knob(
+        None,
+        "Comma-separated substrings of parameter names kept in a host copy on release even "
+        "without a backup (vLLM's sleep keep-list), e.g. embed_tokens,norm.",
+        "Weight updates",
+        aliases=("--sleep-preserve-parameter-names",),
+    )
 
     def __post_init__(self) -> None:
         check_knobs(self)

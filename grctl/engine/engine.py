@@ -114,6 +114,12 @@ class Engine:
             weight_ops=self.weight_ops,
             recapture=config.cuda_graph,
             on_error=self.stats.record_error,
+            backup_all=config.enable_weights_cpu_backup,
+            preserve=tuple(
+                part.strip()
+                for part in (config.preserve_parameter_names or "").split(",")
+                if part.strip()
+            ),
         )
         self.profiler = StepProfiler(self.device, self.gate)  # /start_profile, /stop_profile
         self.worker = Worker(
@@ -345,14 +351,21 @@ class Engine:
         finally:
             self.gate.leave_exclusive()
 
-    def weights_written(self, label: str | None, mix: str | None, torn: str | None = None) -> None:
+    def weights_written(
+        self,
+        label: str | None,
+        mix: str | None,
+        torn: str | None = None,
+        discarded: str | None = None,
+    ) -> None:
         """The weights side wrote the weights, inside `exclusive()`. From now on steps record
         `label` (None: keep the current one); `mix` describes the weights' labels while they
-        differ (None: one label); `torn` the tensors a failed copy left torn (None: none). The
+        differ (None: one label); `torn` the tensors a failed copy left torn (None: none),
+        `discarded` those a memory release left without their bytes (None: none). The
         prefix cache's entries go at once, with their bytes: none was computed with these
         weights."""
         with self.gate:
-            self.gate.weights_written(label, mix, torn)
+            self.gate.weights_written(label, mix, torn, discarded)
             self.cache.drop_entries()
             self.scheduler.drop_stale_kv()  # retracted requests: recomputed when they run
 

@@ -23,6 +23,7 @@ from grctl.errors import (
     NotReady,
     Paused,
     PauseTimeout,
+    WeightsDiscarded,
     WeightsInconsistent,
     WeightsInconsistentConflict,
     WeightsMixed,
@@ -59,6 +60,9 @@ class Gate:
         self.label = str(label)
         self.mix: str | None = None  # the weights side's description of a mix; None: one label
         self.torn: str | None = None  # its description of the torn tensors; None: none is
+        # its description of the tensors a memory release discarded, until they are written
+        # again: generation is refused, but not a resume (the trainer pushes after it)
+        self.discarded: str | None = None
         self.generation = 0  # moves with every weight write: cached KV of older ones is stale
         # a weight update session holds the catalog of its weights: nothing computes until its
         # end installs both; a description of it, or None
@@ -100,6 +104,7 @@ class Gate:
         return (
             not self.is_paused
             and self.is_consistent
+            and self.discarded is None
             and not self.released
             and not self.is_mixed
             and self.catalog_fault is None
@@ -127,6 +132,8 @@ class Gate:
             out.append(("weights_inconsistent", self.torn_error))
         if self.catalog_fault is not None:  # the same
             out.append(("catalog_inconsistent", self.catalog_error))
+        if self.discarded is not None:
+            out.append(("weights_discarded", self.discarded_error))
         if self.catalog_pending is not None:
             out.append(("catalog_pending", self.pending_error))
         if self.is_paused:
@@ -145,7 +152,14 @@ class Gate:
     def torn_error(
         self, cls: type[WeightsInconsistent] = WeightsInconsistent
     ) -> WeightsInconsistent:
-        return cls(f"a weight copy failed part-way: {self.torn}", hint=_REWRITE_TORN)
+        return cls(f"the weights are not whole: {self.torn}", hint=_REWRITE_TORN)
+
+    def discarded_error(self) -> WeightsDiscarded:
+        return WeightsDiscarded(
+            f"the weights are not served: {self.discarded}",
+            hint="push the weights (the whole checkpoint) after /resume_memory_occupation, or "
+            "serve with --enable-weights-cpu-backup to keep a host copy",
+        )
 
     def catalog_error(
         self, cls: type[WeightsInconsistent] = WeightsInconsistent
@@ -228,11 +242,13 @@ class Gate:
             self.is_computing = False
             self._cond.notify_all()
 
-    def weights_written(self, label: str | None, mix: str | None, torn: str | None) -> None:
+    def weights_written(
+        self, label: str | None, mix: str | None, torn: str | None, discarded: str | None = None
+    ) -> None:
         """The weights were written: a new generation; `label` None keeps the label."""
         with self._cond:
             self.generation += 1
-            self.torn = torn
+            self.torn, self.discarded = torn, discarded
             self.relabel(self.label if label is None else label, mix)
 
     def relabel(self, label: str, mix: str | None) -> None:

@@ -2,10 +2,15 @@
 
 Tags, as SGLang names them (none = all three):
   kv_cache    the prefix cache's KV (requests hold none: release needs an idle engine)
-  weights     every parameter is copied to host memory (pinned on CUDA; a CPU model keeps its
-              own tensors) and its data replaced by an empty tensor; resume copies it back into
-              the SAME Parameter objects (so tied weights stay tied and every holder of a
-              parameter sees it come back), at a new device address
+  weights     every parameter's data is replaced by an empty tensor. By default (SGLang's
+              enable_weights_cpu_backup=False, vLLM's level-2 sleep) its bytes are discarded:
+              resume gives it zeroed storage of its shape and the weights side marks it torn,
+              so nothing is served (503 weights_inconsistent) until the trainer writes it
+              again, as it does after every resume. With a backup (--enable-weights-cpu-backup,
+              or a name in --preserve-parameter-names) it is first copied to host memory
+              (pinned on CUDA; a CPU model keeps its own tensors) and resume copies it back.
+              Either way into the SAME Parameter objects (so tied weights stay tied and every
+              holder of a parameter sees it come back), at a new device address
   cuda_graph  the captured decode graphs and their static buffers
 Freed device memory goes back to the driver (torch.cuda.empty_cache). Graphs hold the weights'
 device addresses, so releasing weights drops them too; they are captured again, with the same
@@ -81,6 +86,8 @@ class MemorySaver:
         weight_ops: threading.Lock,
         recapture: bool,
         on_error: Callable[[BaseException], None],
+        backup_all: bool = False,
+        preserve: tuple[str, ...] = (),
     ):
         self.gate = gate  # the section memory moves in, and the record of what is released
         self.model = model
@@ -90,7 +97,13 @@ class MemorySaver:
         self.is_recapture_on = recapture  # --cuda-graph
         self.on_error = on_error  # a failed re-capture is served eagerly, and counted here
         self._lock = weight_ops  # releases, resumes, updates and reads take turns
-        self._backups: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        self.is_backup_all = backup_all  # --enable-weights-cpu-backup
+        self.preserve = preserve  # --preserve-parameter-names: backed up regardless
+        # what resume restores: a host copy, or (discarded) the shape to give zeroed storage of
+        self._backups: list[tuple[str, torch.nn.Parameter, torch.Tensor | torch.Size]] = []
+        # the weights side's hook, told at resume the parameters whose bytes the release
+        # discarded (it marks them torn: WeightUpdater), inside the resume's exclusive section
+        self.on_discard: Callable[[list[str]], None] | None = None
         self._recapture: Callable | None = None  # DecodeGraphs' factory while graphs are gone
 
     @property
@@ -147,17 +160,33 @@ class MemorySaver:
             self._offload_weights()
         empty_device_cache(self.device)
 
+    def is_kept(self, name: str) -> bool:
+        # with no weights side to mark a discarded tensor torn (an engine used alone), nothing
+        # may be discarded: it would come back as zeros and be served
+        return (
+            self.is_backup_all
+            or self.on_discard is None
+            or any(part in name for part in self.preserve)
+        )
+
     def _offload_weights(self) -> None:
-        # a tied weight is one Parameter: one backup
-        backups = [(p, host_backup(p)) for p in self.model.parameters()]
+        # named_parameters lists a tied weight once: one backup
+        named = list(self.model.named_parameters())
+        backups = [(n, p, host_backup(p) if self.is_kept(n) else p.shape) for n, p in named]
         # Every copy is made before any device memory is freed: a failure above frees nothing.
-        for p, _ in backups:
+        for _, p, _ in backups:
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self._backups = backups
 
     def _restore_weights(self) -> None:
-        for p, backup in self._backups:
-            p.data = backup.to(p.device)
+        discarded = [n for n, _, backup in self._backups if isinstance(backup, torch.Size)]
+        if discarded:  # torn from now on, until the trainer writes them (WeightUpdater)
+            self.on_discard(discarded)
+        for _, p, backup in self._backups:
+            if isinstance(backup, torch.Size):
+                p.data = torch.zeros(backup, dtype=p.dtype, device=p.device)
+            else:
+                p.data = backup.to(p.device)
         self._backups = []
 
     def _recapture_graphs(self) -> None:
@@ -171,5 +200,14 @@ class MemorySaver:
     def stats(self) -> dict:
         return {
             "released": sorted(self.gate.released),
-            "offloaded_weight_bytes": sum(b.numel() * b.element_size() for _, b in self._backups),
+            "offloaded_weight_bytes": sum(
+                b.numel() * b.element_size()
+                for _, _, b in self._backups
+                if isinstance(b, torch.Tensor)
+            ),
+            "discarded_weight_bytes": sum(
+                p.dtype.itemsize * b.numel()
+                for _, p, b in self._backups
+                if isinstance(b, torch.Size)
+            ),
         }

@@ -28,6 +28,10 @@ class LoadMemory(Struct, kw_only=True):
     kv_cache_gb: float = 0.0
     graph_gb: float = 0.0
     token_capacity: int = 0
+    # grctl's: host memory. The process's resident set, and of it the host copies a weights
+    # release keeps (--enable-weights-cpu-backup, --preserve-parameter-names)
+    host_rss_gb: float = 0.0
+    weight_host_backup_gb: float = 0.0
 
 
 class LoadDisaggregation(Struct, kw_only=True):

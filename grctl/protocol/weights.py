@@ -46,6 +46,8 @@ class WeightVersionResponse(Struct, kw_only=True):
     label_counts: dict[str, int] = msgspec.field(default_factory=dict)  # label -> HF tensors
     weights_torn: bool = False  # a failed copy left tensors that no later write repaired
     torn_tensors: list[str] = msgspec.field(default_factory=list)  # those HF tensors
+    # HF tensors a memory release dropped (no host backup), until the trainer writes them
+    discarded_tensors: list[str] = msgspec.field(default_factory=list)
 
 
 class StatusWeights(WeightVersionResponse, kw_only=True):

@@ -90,6 +90,7 @@ class WeightUpdater:
         self.model_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
         self._session_open = False
         self._session_catalog = None  # the catalog an open session installs at its end
+        engine.memory.on_discard = self._discarded  # a release without a backup tears them
 
     def run(
         self,
@@ -184,7 +185,12 @@ class WeightUpdater:
 
     def _tell_engine(self, label: str | None) -> None:
         """What the engine must know of the weights after a write: label, mix, torn tensors."""
-        self.engine.weights_written(label, self.versions.mix(), self.versions.describe_torn())
+        self.engine.weights_written(
+            label,
+            self.versions.mix(),
+            self.versions.describe_torn(),
+            self.versions.describe_discarded(),
+        )
 
     def read(self, fn: Callable[..., T], *args) -> T:
         """Run a read of the live weights (get_weights_by_name, weights_checker) in its turn,
@@ -249,6 +255,14 @@ class WeightUpdater:
                 if ended:
                     message += f" ({ended} requests under the old catalog ended)"
             return message
+
+    def _discarded(self, param_names: list[str]) -> None:
+        """A memory release discarded these parameters' bytes (no host backup): they come
+        back as zeros, so nothing is served (503 weights_discarded) until each is written
+        again; unlike torn tensors they do not hold the pause (verl and AReaL resume, then
+        push). Runs inside the resume's exclusive section, holding weight_ops."""
+        self.versions.discard(param_names)
+        self._tell_engine(None)
 
     def reset_tensors(self, skip: list[str] | None = None) -> int:
         """weights_checker reset_tensors: overwrite every tensor not in `skip` (name substrings)

@@ -48,6 +48,8 @@ class WeightVersions:
             self._units.setdefault(target.param_name, []).append((name, rows))
         self._labels = dict.fromkeys(hf_names(cfg), str(label))
         self._torn: set[str] = set()  # HF tensors a failed copy may have touched
+        # HF tensors a memory release discarded (no host backup): zeros until written again
+        self._discarded: set[str] = set()
         self.current = str(label)
         self.token_step: int | str | None = None
         self.update_count = 0
@@ -89,6 +91,7 @@ class WeightVersions:
                 for name in written:
                     self._labels[name] = new
             self._torn -= written
+            self._discarded -= written
             self.current = new
             if token_step is not None:
                 self.token_step = token_step
@@ -104,6 +107,24 @@ class WeightVersions:
         touched = self.written_tensors(source_names)
         with self._lock:
             self._torn |= touched
+
+    def discard(self, source_names: Iterable[str]) -> None:
+        """A memory release dropped these tensors' bytes: they come back as zeros, and are
+        not served until a later write of each (the trainer's push after resume)."""
+        touched = self.written_tensors(source_names)
+        with self._lock:
+            self._discarded |= touched
+
+    def discarded(self) -> list[str]:
+        with self._lock:
+            return sorted(self._discarded)
+
+    def describe_discarded(self) -> str | None:
+        gone = self.discarded()
+        if not gone:
+            return None
+        shown = ", ".join(gone[:4]) + (f" and {len(gone) - 4} more" if len(gone) > 4 else "")
+        return f"{len(gone)} tensors were released without a host copy: {shown}"
 
     def torn(self) -> list[str]:
         """The torn HF tensors, sorted."""
@@ -162,4 +183,5 @@ class WeightVersions:
             "label_counts": self.label_counts(),
             "weights_torn": bool(torn),
             "torn_tensors": torn,
+            "discarded_tensors": self.discarded(),
         }

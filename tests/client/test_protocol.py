@@ -22,6 +22,7 @@ from grctl.client.calls import Call, request_body, status_of, text
 from grctl.client.routes import Routes
 from grctl.protocol import catalog, generate, info, weights
 from grctl.server.routes.catalog import catalog_routes
+from grctl.server.routes.delta import delta_router
 from grctl.server.routes.generate import generate_routes
 from grctl.server.routes.info import info_routes
 from grctl.server.routes.memory import memory_router
@@ -74,6 +75,9 @@ CALLS = {
     "update_weights_from_disk": lambda r: r.update_weights_from_disk(
         "/ckpt", weight_version=7, token_step=3, abort_all_requests=True, load_format="auto"
     ),
+    "pull_weights": lambda r: r.pull_weights(
+        "/deltas", 3, weight_version=3, token_step=3, abort_all_requests=True
+    ),
     "update_weights_from_tensor": lambda r: r.update_weights_from_tensor(
         ["payload"], weight_version=7, token_step=3, flush_cache=False, abort_all_requests=True
     ),
@@ -105,6 +109,7 @@ def server_routes() -> list[tuple[str, re.Pattern, object]]:
             weight_router,
             update_router,
             memory_router,
+            delta_router,
             *catalog_routes,
         ],
         openapi_config=None,
@@ -256,6 +261,11 @@ def test_strict_replies_leave_out_only_unset_optional_keys():
         "output_token_sampling_mask_length",
         "top_p_token_ids",
         "top_p_token_offsets",
+        # a multi-stage request's (docs/http-api.md "Multi-stage requests")
+        "stage_groups",
+        "stage_restarts",
+        "beam_group_id",
+        "beam_index",
     }
     assert sent["finish_reason"] == {"type": "length", "length": 0}
     ok = info.StrictFlushCacheResponse(success=True, entries_cleared=0)

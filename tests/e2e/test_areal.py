@@ -156,4 +156,9 @@ def test_offload_onload_and_abort(srv, ckpts):
     assert post(url, "/continue_generation", {}).status_code == 200
     assert post(url, "/abort_request", {"abort_all": True}).status_code == 200
     assert httpx.get(url + "/health").status_code == 200  # check_health (L510-520)
+    # released without a host copy (SGLang's default): refused, never garbage, until the
+    # trainer's weight update after onload writes them again
+    refused = post(url, "/generate", GENERATE)
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "weights_discarded"
+    restore(url, base)
     assert generated(url) == hf_generate(base, PROMPT)

@@ -9,6 +9,7 @@ server should be serving at that point.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from grctl.client import GRClient, WeightSync
 from grctl.errors import MemoryReleased
@@ -111,7 +112,59 @@ def test_verl_colocate_cycle(srv, ckpts):
             "weights",
         ]
         assert http.post("/resume_memory_occupation", json={"tags": None}).json()["released"] == []
+        # no host copy by default (SGLang's enable_weights_cpu_backup=False): the weights came
+        # back as no checkpoint, so nothing is served until the trainer pushes them again
+        err = assert_error(generate(http, PROMPTS[2]), 503, "weights_discarded")
+        assert "released without a host copy" in err["message"] and err["retryable"]
+        assert http.get("/ready").json()["reasons"] == ["weights_discarded"]
+        memory = http.get("/v1/loads", params={"include": "memory"}).json()["loads"][0]["memory"]
+        assert memory["weight_host_backup_gb"] == 0.0 and memory["host_rss_gb"] > 0
+        with WeightSync(srv.url, bucket_mb=0.01, verify=True) as sync:
+            assert sync.run(ckpts[1], weight_version="1b").ok
         assert generate(http, PROMPTS[2]).json()["output_ids"] == hf_generate(hf1, PROMPTS[2], 4)
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [("--enable-weights-cpu-backup",), ("--preserve-parameter-names", "embed_tokens,norm")],
+)
+def test_a_release_keeps_a_host_copy_where_asked(start_server, ckpts, flags):
+    """--enable-weights-cpu-backup keeps every parameter (served again at once after resume,
+    equal to the checkpoint); --preserve-parameter-names keeps those named, the rest
+    discarded and torn until pushed (vLLM's level-2 sleep with a keep-list)."""
+    hf0 = load_hf(ckpts[0])
+    srv = start_server("--model-path", str(ckpts[0]), *FLAGS, *flags)
+    with srv.client() as http:
+        assert http.post("/release_memory_occupation", json={"tags": ["weights"]}).json()[
+            "released"
+        ] == ["weights"]
+        memory = http.get("/v1/loads", params={"include": "memory"}).json()["loads"][0]["memory"]
+        assert memory["weight_gb"] == 0.0
+        status = http.get("/status").json()["engine"]["memory"]
+        kept, gone = status["offloaded_weight_bytes"], status["discarded_weight_bytes"]
+        assert kept + gone == sum(t.numel() * t.element_size() for t in hf0.state_dict().values())
+        assert (
+            http.post("/resume_memory_occupation", json={"tags": ["weights"]}).json()["released"]
+            == []
+        )
+        torn = http.get("/get_weight_version").json()["discarded_tensors"]
+        if flags[0] == "--enable-weights-cpu-backup":
+            assert torn == [] and gone == 0
+            assert generate(http, PROMPTS[0]).json()["output_ids"] == hf_generate(
+                hf0, PROMPTS[0], 4
+            )
+            return
+        assert 0 < kept < gone
+        assert torn and not any("embed_tokens" in n or n.endswith("norm.weight") for n in torn)
+        assert any("mlp" in n for n in torn)
+        assert_error(generate(http, PROMPTS[0]), 503, "weights_discarded")
+        # the kept ones hold the checkpoint's bytes
+        got = http.post(
+            "/get_weights_by_name", json={"name": "model.embed_tokens.weight", "truncate_size": 3}
+        )
+        assert got.status_code == 200, got.text
+        want = hf0.model.embed_tokens.weight.detach()[:3]
+        assert torch.equal(torch.tensor(got.json()["parameter"], dtype=want.dtype), want)
 
 
 def test_batch_of_texts(checkpoint):

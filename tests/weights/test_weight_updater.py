@@ -124,6 +124,7 @@ def test_release_updates_and_reads_take_turns(setup, monkeypatch):
         return backup
 
     monkeypatch.setattr(memory, "host_backup", slow_host_copy)
+    engine.memory.is_backup_all = True  # --enable-weights-cpu-backup: the host-copy branch
     release = threading.Thread(target=engine.release_memory, args=(["weights"],))
     release.start()
     assert begun.wait(10)

@@ -8,6 +8,7 @@ utilization, prefill busy time, the tokens of queued prompts) are 0 (docs/http-a
 
 from __future__ import annotations
 
+import os
 import time
 from datetime import datetime, timezone
 from functools import lru_cache
@@ -57,6 +58,15 @@ def included(include: str | None) -> set[str]:
     return set(FILLED) if "all" in asked else asked & set(FILLED)
 
 
+def rss_bytes() -> int:
+    """This process's resident set (Linux's /proc; 0 where there is none)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def snapshot(state: State, sections: set[str]) -> Load:
     """This server's load now: one read of the engine's status, under its lock."""
     engine = state.engine
@@ -85,12 +95,16 @@ def snapshot(state: State, sections: set[str]) -> Load:
         total_prefill_uncached_tokens=prompt - cached,
     )
     if "memory" in sections:
-        params = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-        resident = max(0, params - status["engine"]["memory"]["offloaded_weight_bytes"])
+        # a released parameter's data is an empty tensor: what is resident now
+        resident = sum(p.numel() * p.element_size() for p in engine.model.parameters())
         load.memory = LoadMemory(
             weight_gb=round(resident / GIB, 3),
             kv_cache_gb=round(held / GIB, 3),
             token_capacity=capacity,
+            host_rss_gb=round(rss_bytes() / GIB, 3),
+            weight_host_backup_gb=round(
+                status["engine"]["memory"]["offloaded_weight_bytes"] / GIB, 3
+            ),
         )
     if "disagg" in sections:
         load.disaggregation = LoadDisaggregation()

@@ -89,6 +89,7 @@ async def get_weight_version(state: State) -> WeightVersionResponse:
         label_counts=info["label_counts"],
         weights_torn=info["weights_torn"],
         torn_tensors=info["torn_tensors"],
+        discarded_tensors=info["discarded_tensors"],
     )
 
 
