@@ -85,6 +85,14 @@ class EngineConfig:
     max_finished_results: int = knob(
         10_000, "Finished results kept until fetched.", "Scheduling", min=1
     )
+    max_finished_result_bytes: int = knob(
+        1 << 30,
+        "Bytes of finished results kept until fetched (their Python objects, as measured): "
+        "past it the oldest unfetched are dropped (a fetch of one is a 404 saying so); 0: no "
+        "byte bound.",
+        "Scheduling",
+        min=0,
+    )
     # On by default, as SGLang's radix cache: an entry is only ever used under the weights it
     # was computed with, and every weight write drops them all.
     enable_prefill_cache: bool = knob(

@@ -98,7 +98,9 @@ class Engine:
             self.kv_bytes_of,
             self.prefill_tokens_of,
         )
-        self.results = ResultStore(config.max_finished_results)
+        self.results = ResultStore(
+            config.max_finished_results, config.max_finished_result_bytes or None
+        )
         self.stats = EngineStats()
         # One weight operation at a time, each to its end: an update (the weights side takes
         # this lock for its whole run), a read of the weights, a relabel, a memory release or
@@ -223,7 +225,7 @@ class Engine:
         with self.gate:
             result = self.results.peek(request_id)
             if result is None and not self._known(request_id):
-                raise NotFound(f"no request {request_id!r}", hint="results are kept until fetched")
+                raise self._not_found(request_id)
             return result
 
     def result(self, request_id: str, timeout: float | None = None) -> GenerateResult:
@@ -236,7 +238,17 @@ class Engine:
                 return result
             if self._known(request_id):
                 raise GenerateTimeout(f"request {request_id!r} did not finish in {timeout}s")
-            raise NotFound(f"no request {request_id!r}", hint="results are kept until fetched")
+            raise self._not_found(request_id)
+
+    def _not_found(self, request_id: str) -> NotFound:
+        if self.results.was_evicted(request_id):
+            return NotFound(
+                f"the result of {request_id!r} was dropped unfetched: the store was over "
+                f"--max-finished-results ({self.config.max_finished_results}) or "
+                f"--max-finished-result-bytes ({self.config.max_finished_result_bytes})",
+                hint="fetch results sooner, or raise those bounds",
+            )
+        return NotFound(f"no request {request_id!r}", hint="results are kept until fetched")
 
     def _known(self, request_id: str) -> bool:
         """In flight, or ended with its result kept or being built (holding the gate)."""

@@ -20,6 +20,7 @@ def snapshot(engine) -> dict:
                 "finished": stats.num_finished,
                 "retained_results": len(engine.results),
                 "evicted_results": engine.results.num_evicted,
+                "retained_result_bytes": engine.results.nbytes,
                 "paused": gate.is_paused,
                 "pause_mode": gate.pause_mode,
                 "steps": stats.num_steps,

@@ -20,7 +20,7 @@ from grctl.engine.executor import Executor
 from grctl.engine.gate import Gate
 from grctl.engine.prefix_cache import weights_tag
 from grctl.engine.profiler import StepProfiler
-from grctl.engine.results import ResultStore
+from grctl.engine.results import ResultStore, result_nbytes
 from grctl.engine.scheduler import Scheduler
 from grctl.engine.sequence import Sequence, Status
 from grctl.engine.stats import EngineStats
@@ -226,9 +226,10 @@ class Worker:
         with self.gate:
             todo, self._unbuilt = self._unbuilt, []
         for seq, label, aborted in todo:
-            result, error = None, None
+            result, error, nbytes = None, None, None
             try:
                 result = seq.to_result(label, aborted)
+                nbytes = result_nbytes(result)  # sized off the gate too
             except Exception as exc:  # a bug: the request ends without a result (404)
                 log.exception("building the result of %s failed", seq.request_id)
                 error = exc
@@ -237,11 +238,11 @@ class Worker:
                     self.results.forget(seq.request_id)
                     self.stats.record_error(error)
                 else:
-                    self._store(result)
+                    self._store(result, nbytes)
                 self.gate.notify()
 
-    def _store(self, result) -> None:
-        self.results.put(result)
+    def _store(self, result, nbytes: int | None = None) -> None:
+        self.results.put(result, nbytes)
         self.stats.record_result(result)
 
 
