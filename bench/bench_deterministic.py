@@ -8,16 +8,20 @@ bench_generate.py's model (preset cpu: the 29M Qwen3 in float32; gpu: Qwen3-0.6B
 bf16 on CUDA), in process. A rollout: --prompts prompts of lengths uniform in [min, max], beam
 widths cycling 1, 4, 8, 2, 16, greedy and seeded stochastic alternating, every request with
 logprobs, submitted together (one engine batch), the prefix cache cleared before each run. The
-two modes run alternately, --repeats times each; the best wall time of each counts. Prints one
-JSON object: tokens/s of each mode, the cost (1 - deterministic / plain), and whether every
-deterministic run gave the same bits (it must) and how many requests the plain runs changed
-between them.
+two modes run alternately, --repeats times each; the best wall time of each counts, beside the
+medians and the median of each alternation's own ratio (the pair ran back to back, so a load
+that moves both moves it least). Prints one JSON object: tokens/s of each mode, the throughput
+ratio (deterministic / plain) best, median and paired, the cost (1 - the best ratio), the load
+average, and whether every deterministic run gave the same bits (it must) and how many requests
+the plain runs changed between them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -75,6 +79,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
+    load_start = os.getloadavg()
     preset = PRESETS[args.preset]
     _, model = build(preset["shape"], dtypes.SERVED_DTYPES[preset["dtype"]], preset["device"])
     reqs = rollout(args, model.config.vocab_size)
@@ -99,6 +104,8 @@ def main() -> None:
             walls[mode].append(wall)
             outs[mode].append(out)
     best = {m: min(w) for m, w in walls.items()}
+    median = {m: statistics.median(w) for m, w in walls.items()}
+    pairs = [p / d for p, d in zip(walls["plain"], walls["deterministic"], strict=True)]
     plain_changed = sum(a != b for a, b in zip(outs["plain"][0], outs["plain"][-1], strict=True))
     print(
         json.dumps(
@@ -113,7 +120,16 @@ def main() -> None:
                 "tokens": tokens,
                 "wall_s": {m: [round(w, 3) for w in ws] for m, ws in walls.items()},
                 "tokens_per_s": {m: round(tokens / b, 1) for m, b in best.items()},
+                "throughput_ratio": {
+                    "best": round(best["plain"] / best["deterministic"], 3),
+                    "median": round(median["plain"] / median["deterministic"], 3),
+                    "paired_median": round(statistics.median(pairs), 3),
+                },
                 "cost": round(1 - best["plain"] / best["deterministic"], 4),
+                "load_average": {
+                    "start": [round(x, 2) for x in load_start],
+                    "end": [round(x, 2) for x in os.getloadavg()],
+                },
                 "deterministic_runs_identical": all(
                     o == outs["deterministic"][0] for o in outs["deterministic"]
                 ),

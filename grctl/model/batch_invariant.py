@@ -6,17 +6,24 @@ GEMV, a few rows another micro-kernel), so the same token's projection differs i
 alone and in a batch; a reduction's split follows its shape; attention's order follows how its
 queries and keys are cut (a prefix-cache hit attends in two parts, a miss in one). Here:
 
-- `linear`: the rows are cut into tiles of ROW_TILE rows (the last one zero-padded) and every
-  tile runs the same [ROW_TILE, K] x [K, N] product, as batched matmuls: one shape, one
-  kernel, one reduction order over K for every row.
+- `linear`: on the CPU, the rows cut into as many equal chunks as there are threads (at least
+  two, of MIN_CHUNK rows or more; the last chunk's few missing rows zero-padded), run as one
+  batched matmul over a stride-0 weight. torch runs each chunk's GEMM on one thread (inside its
+  parallel loop), and a one-thread MKL GEMM gives a row the same bits for any row count from
+  MIN_CHUNK up and at any place in the call; what follows the row count is the threaded GEMM's
+  split of K, which this never takes. The cost is one GEMM's, where fixed tiles re-read the
+  weight once per 32 rows. Elsewhere (CUDA: its kernels follow the shape) every tile is the
+  same [ROW_TILE, K] x [K, N] product: one shape, one kernel, one reduction order.
 - `rms_norm`: the mean of squares as the same tiled product against columns of ones.
 - `attention`: query rows in fixed tiles against keys cut at fixed absolute positions. On the
   CPU, torch's flash kernel per tile (its kv blocks start at key 0; a causal call pads the keys
-  to whole 512-key blocks, so the blocks do not follow the key count); elsewhere blocks of
-  KEY_BLOCK keys, each block's scores and weighted values as fixed-shape products, merged one
-  after another in position order (online softmax: a fully masked block leaves the running sums
-  exactly as they were). A row's output is a function of its query, its position and the keys
-  before it (a decode row: of the whole context), whatever else the call holds.
+  to whole 512-key blocks, so the blocks do not follow the key count, and gives each group of
+  tiles only the blocks up to its last row's position: a block wholly past a row's position
+  leaves its running sums exactly as they were, so skipping it changes no bit); elsewhere
+  blocks of KEY_BLOCK keys, each block's scores and weighted values as fixed-shape products,
+  merged one after another in position order (online softmax: a fully masked block leaves the
+  running sums exactly as they were). A row's output is a function of its query, its position
+  and the keys before it (a decode row: of the whole context), whatever else the call holds.
 
 Written for CUDA too (the same shapes give cuBLAS the same kernel), where it is untested.
 """
@@ -24,12 +31,14 @@ Written for CUDA too (the same shapes give cuBLAS the same kernel), where it is 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-ROW_TILE = 32  # rows of every matmul tile
+ROW_TILE = 32  # rows of every matmul tile off the CPU
+MIN_CHUNK = 16  # the fewest rows of a CPU GEMM chunk (MKL's small-M kernels differ below)
 KEY_BLOCK = 64  # keys of every attention block
 CHUNK_BYTES = 64 << 20  # attention's temporaries per chunk of query tiles
 FLASH_KV_BLOCK = 512  # torch's CPU flash attention cuts keys in blocks of min(512, keys)
-PREFILL_TILE = 256  # query rows of a causal (prefill) attention tile on the CPU
+PREFILL_TILE = 64  # query rows of a causal (prefill) attention tile on the CPU
 
 
 def _tiles(x: torch.Tensor, tile: int = ROW_TILE) -> tuple[torch.Tensor, int]:
@@ -42,21 +51,38 @@ def _tiles(x: torch.Tensor, tile: int = ROW_TILE) -> tuple[torch.Tensor, int]:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, weight) (no bias), row-invariant: x [..., K], weight [N, K] -> [..., N].
-    The whole tiles are read in place; only the last, partial one is copied and padded."""
+    """F.linear(x, weight) (no bias), row-invariant: x [..., K], weight [N, K] -> [..., N]."""
     lead, k, n = x.shape[:-1], x.shape[-1], weight.shape[0]
     flat = x.reshape(-1, k)
     rows = flat.shape[0]
-    whole = rows - rows % ROW_TILE
-    w, outs = weight.t(), []
-    if whole:
-        main = flat[:whole].view(-1, ROW_TILE, k)
-        outs.append(torch.bmm(main, w.expand(main.shape[0], k, n)).view(-1, n))
-    if whole < rows:
-        tail, _ = _tiles(flat[whole:])
-        outs.append(torch.bmm(tail, w.expand(1, k, n)).view(-1, n)[: rows - whole])
-    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    if x.device.type == "cpu":
+        out = _chunked(flat, weight)
+    else:
+        whole = rows - rows % ROW_TILE
+        w, outs = weight.t(), []
+        if whole:
+            main = flat[:whole].view(-1, ROW_TILE, k)
+            outs.append(torch.bmm(main, w.expand(main.shape[0], k, n)).view(-1, n))
+        if whole < rows:
+            tail, _ = _tiles(flat[whole:])
+            outs.append(torch.bmm(tail, w.expand(1, k, n)).view(-1, n)[: rows - whole])
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out.reshape(*lead, n)
+
+
+def _chunked(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """flat [rows, K] @ weight.T as one-thread GEMMs of equal chunks, one per thread."""
+    rows, k = flat.shape
+    n = weight.shape[0]
+    threads = torch.get_num_threads()
+    # two chunks at least: one alone runs outside torch's parallel loop, on every thread
+    chunks = max(2, min(threads, rows // MIN_CHUNK)) if threads > 1 else 1
+    size = max(MIN_CHUNK, -(-rows // chunks))
+    pad = chunks * size - rows
+    if pad:
+        flat = torch.nn.functional.pad(flat, (0, 0, 0, pad))
+    out = torch.bmm(flat.view(chunks, size, k), weight.t().expand(chunks, k, n))
+    return out.view(-1, n)[:rows]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -158,43 +184,60 @@ def _tile_attention(qt, kb, vb, key_pos, row_limit):
 
 
 def _flash_tiles(q, k, v, q_pos):
-    """The CPU path: torch's fused flash attention over query tiles of ROW_TILE rows. Its kv
-    blocks start at key 0 and their size follows the key count alone, its query block is the
-    tile, so every row meets the same products and the same reduction order."""
+    """The CPU path: torch's fused flash attention over query tiles. Its kv blocks start at key
+    0 and their size follows the key count alone, its query block follows the tile, so every
+    row meets the same products and the same reduction order."""
     n, heads, dim = q.shape
     num_kv, length = k.shape[0], k.shape[1]
     groups = heads // num_kv
     rows = n * groups
-    # a prefill's many rows in long tiles (the kernel cuts each in query blocks of 64), a
-    # decode step's few in short ones (one query block of 32)
+    # a prefill's rows in tiles of PREFILL_TILE (the kernel's query blocks of 32), a decode
+    # step's few in tiles of ROW_TILE (one query block of 32)
     tile = PREFILL_TILE if q_pos is not None else ROW_TILE
     qr = q.view(n, num_kv, groups, dim).permute(1, 0, 2, 3).reshape(num_kv, rows, dim)
     pad = -rows % tile
     if pad:
-        qr = torch.cat((qr, qr.new_zeros(num_kv, pad, dim)), dim=1)
+        qr = F.pad(qr, (0, 0, 0, pad))
     tiles = qr.shape[1] // tile
     qt = qr.view(num_kv, tiles, tile, dim).transpose(0, 1)  # [T, KV, tile, D]
-    mask = None
-    if q_pos is not None:
+    if q_pos is None:
+        out, lse = _flash(qt, k, v, None)
+    else:
         # causal rows: keys padded to whole kv blocks of torch's kernel, so that its blocks
-        # (their size is min(512, keys)) do not follow the key count: a prompt's rows then
-        # give the same bits whether later tokens (a longer prompt sharing the prefix) follow
+        # (their size is min(512, keys)) do not follow the key count, and each tile given the
+        # blocks up to its last row's position only (the later ones are wholly masked for it)
         kpad = -length % FLASH_KV_BLOCK
         if kpad:
-            k = torch.cat((k, k.new_zeros(num_kv, kpad, dim)), dim=1)
-            v = torch.cat((v, v.new_zeros(num_kv, kpad, dim)), dim=1)
+            k, v = F.pad(k, (0, 0, 0, kpad)), F.pad(v, (0, 0, 0, kpad))
         limit = q_pos.to(q.device).repeat_interleave(groups)
-        if pad:  # padding rows see every key (nothing of theirs is kept)
-            limit = torch.cat((limit, limit.new_full((pad,), length - 1)))
-        visible = torch.arange(k.shape[1], device=q.device)[None, :] <= limit[:, None]
-        mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device)
-        mask = mask.masked_fill(~visible, float("-inf")).view(tiles, 1, tile, k.shape[1])
-    kt = k.unsqueeze(0).expand(tiles, *k.shape)
-    vt = v.unsqueeze(0).expand(tiles, *v.shape)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        qt, kt, vt, attn_mask=mask
-    )
+        if pad:  # padding rows see what the last row sees (nothing of theirs is kept)
+            limit = F.pad(limit, (0, pad), value=int(limit[-1]))
+        limit = limit.view(tiles, tile)
+        need = (limit.amax(1) // FLASH_KV_BLOCK + 1) * FLASH_KV_BLOCK
+        need = need.clamp(max=k.shape[1]).tolist()
+        outs, lses, lo = [], [], 0
+        while lo < tiles:  # runs of tiles that need the same keys (one run per block count)
+            hi = lo + 1
+            while hi < tiles and need[hi] == need[lo]:
+                hi += 1
+            keys = need[lo]
+            hidden = torch.arange(keys, device=q.device) > limit[lo:hi, :, None]
+            mask = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device)
+            mask = mask.masked_fill_(hidden, float("-inf")).unsqueeze(1)  # [t, 1, tile, keys]
+            o, m = _flash(qt[lo:hi], k[:, :keys], v[:, :keys], mask)
+            outs.append(o)
+            lses.append(m)
+            lo = hi
+        out, lse = (outs[0], lses[0]) if len(outs) == 1 else (torch.cat(outs), torch.cat(lses))
     out = out.float().transpose(0, 1).reshape(num_kv, tiles * tile, dim)[:, :rows]
     lse = lse.float().transpose(0, 1).reshape(num_kv, tiles * tile)[:, :rows]
     out = out.view(num_kv, n, groups, dim).permute(1, 0, 2, 3).reshape(n, heads, dim)
     return out, lse.view(num_kv, n, groups).permute(1, 0, 2).reshape(n, heads)
+
+
+def _flash(qt, k, v, mask):
+    """qt [T, KV, tile, D] against k, v [KV, S, D] (every tile the same keys) -> out, lse."""
+    tiles = qt.shape[0]
+    kt = k.unsqueeze(0).expand(tiles, *k.shape)
+    vt = v.unsqueeze(0).expand(tiles, *v.shape)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qt, kt, vt, attn_mask=mask)

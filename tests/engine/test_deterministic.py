@@ -128,6 +128,44 @@ def test_kernels_are_row_invariant():
     assert torch.allclose(out, ref, atol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [None, 3])
+def test_the_cpu_matmul_chunks_are_row_invariant_at_any_row_count(threads):
+    """The CPU linear runs its rows as one-thread GEMM chunks of a size that follows the row
+    count: a row's bits must not (shapes where a threaded GEMM splits K among them)."""
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(5)
+        for k, n in ((1536, 512), (512, 1536), (96, 16)):
+            x, w = torch.randn(300, k, generator=gen), torch.randn(n, k, generator=gen)
+            full = batch_invariant.linear(x, w)
+            assert torch.allclose(full, x @ w.t(), atol=1e-3)
+            for lo, hi in ((0, 1), (7, 9), (5, 37), (100, 165), (31, 300), (1, 299)):
+                assert torch.equal(batch_invariant.linear(x[lo:hi], w), full[lo:hi]), (k, n, lo)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_causal_attention_skips_only_blocks_past_each_row():
+    """Past 512 keys each tile of a prefill gets the key blocks up to its last row: a row gives
+    the same bits whether its call starts before or after a block edge, and whatever follows."""
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(1100, 4, 16, generator=gen)
+    k, v = torch.randn(2, 1100, 16, generator=gen), torch.randn(2, 1100, 16, generator=gen)
+    pos = torch.arange(1100)
+    out, lse = batch_invariant.attention(q, k, v, pos)
+    for lo in (450, 511, 1000):  # tiles straddling 512 and 1,024 in the sub-call, not in full
+        sub, sub_lse = batch_invariant.attention(q[lo:], k, v, pos[lo:])
+        assert torch.equal(sub, out[lo:]) and torch.equal(sub_lse, lse[lo:]), lo
+    short, _ = batch_invariant.attention(q[:600], k[:, :600], v[:, :600], pos[:600])
+    assert torch.equal(short, out[:600])
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.repeat_interleave(2, 0), v.repeat_interleave(2, 0), is_causal=True
+    ).transpose(0, 1)
+    assert torch.allclose(out, ref, atol=1e-5)
+
+
 def test_the_trainer_forward_gives_the_server_logprobs_bitwise(model):
     """grctl's Qwen3 as the trainer's forward (grctl.rl.forward), one teacher-forced pass over
     prompt + output, gives the server's logits rows exactly, so every beam's model logprobs
