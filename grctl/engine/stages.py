@@ -77,14 +77,15 @@ class Group:
         req = self.request
         return (*req.input_ids, *self.reasoning.output_ids, *req.prefix_ids)
 
-    def stage_request(self, stage: int) -> GenerateRequest:
+    def stage_request(self, stage: int, context: tuple[int, ...] | None = None) -> GenerateRequest:
+        """Stage 1's request or stage 2's (over `context`: by default its own reasoning's)."""
         req = self.request
         sp = req.reasoning if stage == 1 else req.items
         if sp.seed is not None:
             sp = dataclasses.replace(sp, seed=sp.seed + self.index)
         return dataclasses.replace(
             req.stage_template,
-            input_ids=req.input_ids if stage == 1 else self.context,
+            input_ids=req.input_ids if stage == 1 else context or self.context,
             sampling=sp,
             return_logprob=True,  # the behaviour logprobs of every token, always returned
             request_id=f"{req.request_id}:s{stage}:{self.index}:{self.restarts}",

@@ -12,6 +12,7 @@ from litestar.datastructures import State
 
 from grctl.engine import stages
 from grctl.engine.stages import StagedRequest
+from grctl.engine.validation import validate_request
 from grctl.protocol.generate import GenerateResponse
 from grctl.server.translation.stage_replies import staged_response
 
@@ -57,11 +58,36 @@ def one_beam(
     return GenerateResponse(text=b.text or "", output_ids=b.output_ids, meta_info=top)
 
 
+def check_stages(engine, req: StagedRequest) -> None:
+    """Both stages pass the engine's checks before anything runs: stage 2 as if its reasoning
+    ran to its longest (so a prefix past the vocabulary, a width over the limit or a context
+    past --max-context-len is a 400 at once, not after stage 1)."""
+    cfg = engine.config
+    g = stages.Group(req, 0)
+
+    def check(one) -> None:
+        validate_request(
+            one,
+            engine.model.config,
+            max_context_len=engine.max_context_len,
+            max_beam_width=cfg.max_beam_width,
+            max_new_tokens_limit=cfg.max_new_tokens,
+        )
+
+    check(g.stage_request(1))  # first: it bounds the reasoning before a context is built
+    check(
+        g.stage_request(2, (*req.input_ids, *[0] * req.reasoning.max_new_tokens, *req.prefix_ids))
+    )
+
+
 def run_staged(
     state: State, reqs: list[StagedRequest], control: stages.Control
 ) -> list[GenerateResponse]:
     """In a worker thread: every request to its reply, in order."""
     engine, tokenizer = state.engine, state.tokenizer
+    for req in reqs:
+        check_stages(engine, req)
+    engine.check_batch_fits(sum(r.num_samples for r in reqs))
     timeout = state.config.generate_timeout_s
     replies: dict[str, GenerateResponse] = {}
     plain = [r for r in reqs if not r.group_ids]

@@ -118,6 +118,67 @@ DEEP_TOP_P_IDS = f'{{"input_ids": [1], "sampling_params": {{"custom_params": {{"
 DEEP_TOP_P_IDS += DEEP + "}}}"
 
 
+NESTED = json.loads("[" * 500 + "]" * 500)
+# every multi-stage field (docs/http-api.md "Multi-stage requests"): wrong types, huge values,
+# deep nesting; beside and inside custom_params
+MULTI_STAGE_BAD = [
+    {"reasoning": "think"},
+    {"reasoning": {"n": "two"}},
+    {"reasoning": {"n": 10**30}},
+    {"reasoning": {"max_new_tokens": 10**9}},
+    {"reasoning": {"temperature": -1}},
+    {"reasoning": {"top_p": 2}},
+    {"reasoning": {"stop": [[["x"]]]}},
+    {"reasoning": {"stop": "</think>"}},  # no tokenizer here
+    {"reasoning": {"stop_token_ids": [10**12]}},
+    {"reasoning": {"bogus": 1}},
+    {"reasoning": NESTED},
+    {"reasoning": {}, "forced_prefix": "abc"},
+    {"reasoning": {}, "forced_prefix": {"ids": [-1]}},
+    {"reasoning": {}, "forced_prefix": {"ids": [10**9]}},
+    {"reasoning": {}, "forced_prefix": {"ids": [1] * 100_000}},
+    {"reasoning": {}, "forced_prefix": {"text": "x" * 200_000}},
+    {"reasoning": {}, "forced_prefix": {"ids": NESTED}},
+    {"reasoning": {}, "n": 10**6},
+    {"beam_group_id": ""},
+    {"beam_group_id": 5},
+    {"beam_group_id": "x" * 5000},
+    {"beam_group_id": "g", "beam_index": -1},
+    {"beam_group_id": "g", "beam_index": "a"},
+    {"beam_group_id": "g", "beam_index": 10**30},
+    {"beam_return_mode": "some"},
+    {"beam_return_mode": NESTED},
+    {"decode_config": "x"},
+    {"decode_config": {"reasoning": {"max_tokens": -5}}},
+    {"decode_config": {"item_generation": {"prefix_text": 5}}},
+    {"decode_config": {"reasoning": {"stop": {"a": 1}}}},
+    {"decode_config": {"item_generation": {}}},  # verl-GR's text prefix: no tokenizer
+    {"decode_config": NESTED},
+    {"beam_search_params": {"max_tokens": 10**20}},
+    {"beam_search_params": {"temperature": "hot"}},
+    {"beam_search_params": {"bogus": 1}},
+    {"stage2_beam_size": 0},
+    {"decode_config": {}, "forced_prefix": {"ids": [1]}, "stage2_beam_size": 10**6},
+    {"decode_config": {}, "forced_prefix": {"ids": [1]}, "stage1_max_tokens": 10**12},
+    {"beam_idx": -3},
+    {"two_stage_group_id": ["a"]},
+    {"enable_two_stage_rollout": "yes"},
+    {"enable_two_stage_rollout": False, "reasoning": {}},
+    {"return_all_beams": [3]},
+    {"stage2_temperature": -1},
+    {"custom_params": {"reasoning": {"n": -1}}},
+    {"custom_params": {"decode_config": NESTED}},
+    {"custom_params": {"beam_group_id": "x" * 5000}},
+]
+
+
+def multi_stage_cases() -> list[tuple[str, str, object]]:
+    return [
+        ("POST", "/generate", {"input_ids": [1, 2], "sampling_params": sp})
+        for sp in MULTI_STAGE_BAD
+    ]
+
+
 def cases(root: Path) -> list[tuple[str, str, object]]:
     """(method, route, body): a dict/list is sent as JSON, bytes raw, str raw UTF-8."""
     outside = root / "outside"
@@ -467,6 +528,7 @@ def cases(root: Path) -> list[tuple[str, str, object]]:
         # sync refused, the weights untouched, no session left open)
         *catalog_cases(root),
         # unknown routes and methods
+        *multi_stage_cases(),
         ("DELETE", "/generate", None),
         ("GET", "/update_weights_from_disk", None),
         ("POST", "/../../etc/passwd", {}),
@@ -657,6 +719,13 @@ CUSTOM_KEYS = [
     "stop_token_ids",
     "custom_params",
     "frequency_penalty",
+    "reasoning",
+    "forced_prefix",
+    "beam_group_id",
+    "beam_index",
+    "beam_return_mode",
+    "decode_config",
+    "beam_search_params",
     TOP_P_IDS,
     "bogus",
 ]
@@ -1101,6 +1170,27 @@ def test_no_route_stalls_the_event_loop(probe, probe_root, table):
             keep.clear()
     assert not refused, "\n".join(refused)
     assert not stalls, "\n".join(stalls)
+
+
+@pytest.mark.slow
+def test_a_multi_stage_batch_does_not_stall_the_loop(probe):
+    """The heaviest multi-stage reply here (16 prompts of 400 tokens, 4 reasoning samples each,
+    16 catalog beams per sample, every logprob): /health within 100 ms meanwhile."""
+    sp = {
+        "reasoning": {"n": 4, "max_new_tokens": 8, "stop": "t7"},
+        "forced_prefix": {"text": "t5"},
+        "n": 16,
+        "max_new_tokens": 3,
+    }
+    body = {"text": [WORDS] * 16, "sampling_params": sp, "return_logprob": True}
+    worst, replies = calm_health(
+        lambda: probe.client(timeout=120),
+        lambda c: c.post("/generate", json=body),
+        limit_s=STALL_LIMIT_S,
+    )
+    assert replies[-1].status_code == 200, replies[-1].text[:300]
+    assert len(replies[-1].json()) == 16
+    assert worst < STALL_LIMIT_S, f"/health took {worst * 1000:.0f} ms"
 
 
 def test_the_probe_fails_a_route_on_the_loop():

@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from tests.support.catalogs import TWO_LENGTH_ITEMS
 from tests.support.checkpoints import load_hf
+from tests.support.reference import hf_token_logprobs
 
 PROMPT = [1, 2, 3, 4]
 STOP = 7  # a reasoning stop token
@@ -53,14 +53,6 @@ def body(reasoning=None, **items) -> dict:
     return {"input_ids": PROMPT, "return_logprob": True, "sampling_params": sp}
 
 
-def ref_logprobs(model, ids: list[int], start: int, temperature: float) -> list[float]:
-    """log_softmax(logits / T) of ids[start:] given what precedes each, from transformers."""
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0].double()
-    lp = torch.log_softmax(logits / temperature, dim=-1)
-    return [lp[t - 1, ids[t]].item() for t in range(start, len(ids))]
-
-
 def test_every_behaviour_logprob_and_score_equal_transformers(served):
     http, model = served
     r = http.post("/generate", json=body())
@@ -83,8 +75,8 @@ def test_every_behaviour_logprob_and_score_equal_transformers(served):
         assert lps[n_r : n_r + 2] == [None, None]  # forced: no logprob, not a fake 0.0
         assert [e[0] for e in bm["output_token_logprobs"]] == lps
         full = PROMPT + ids
-        sampled = ref_logprobs(model, full, len(PROMPT), T1)[:n_r]
-        searched = ref_logprobs(model, full, len(PROMPT) + n_r + 2, 1.0)
+        sampled = hf_token_logprobs(model, full, len(PROMPT), T1)[:n_r]
+        searched = hf_token_logprobs(model, full, len(PROMPT) + n_r + 2, 1.0)
         assert lps[:n_r] == pytest.approx(sampled, abs=1e-5)
         assert lps[n_r + 2 :] == pytest.approx(searched, abs=1e-5)
         assert bm["sequence_score"] == pytest.approx(sum(searched), abs=1e-5)

@@ -84,3 +84,13 @@ def hf_generate(
     kw = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0, **generate_kw}
     out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, **kw)
     return out[0, ids.shape[1] :].tolist()
+
+
+def hf_token_logprobs(
+    model: transformers.Qwen3ForCausalLM, ids: list[int], start: int, temperature: float = 1.0
+) -> list[float]:
+    """transformers' log_softmax(logits / T) of ids[start:], each given the ids before it."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].double()
+    lp = torch.log_softmax(logits / temperature, dim=-1)
+    return [lp[t - 1, ids[t]].item() for t in range(start, len(ids))]
