@@ -227,3 +227,58 @@ def hf_with_bias(hf, prompt: list[int], token: int, bias: float, steps: int) -> 
                       do_sample=False, eos_token_id=None, pad_token_id=0,
                       logits_processor=transformers.LogitsProcessorList([Bias()]))  # fmt: skip
     return out[0, len(prompt) :].tolist()
+
+
+def test_reason_then_recommend_in_one_request(http, model, catalog):
+    """One multi-stage request: reasonings sampled until `</think>`, the forced
+    `\\n<|sid_begin|>`, then beams over the SID catalog: every beam's response is its group's
+    reasoning, the two forced tokens (no logprob) and a whole item closed by `<|sid_end|>`,
+    the beams those transformers' constrained beam search finds after that context."""
+    tok = transformers.AutoTokenizer.from_pretrained(model)
+    think, end = tok.convert_tokens_to_ids(["</think>", "<|sid_end|>"])
+    forced = tok.encode(FORCED)
+    prompt = tok.encode("user watched a, b<think>")
+    reasoning = {"n": 16, "max_new_tokens": 48, "temperature": 1.0, "seed": 3, "stop": "</think>"}
+    sampling = {
+        "n": 4,
+        "max_new_tokens": 8,
+        "reasoning": reasoning,
+        "forced_prefix": {"text": FORCED},
+    }
+    reply = http.post("/generate", json={"input_ids": prompt, "sampling_params": sampling})
+    assert reply.status_code == 200, reply.text
+    meta = reply.json()["meta_info"]
+    lines = [json.loads(x) for x in catalog["path"].read_text().splitlines()]
+    paths = {tuple(line["token_ids"]) for line in lines}
+    groups = {g["group_id"]: g for g in meta["stage_groups"]}
+    assert len(groups) == 16 and len(meta["beam_results"]) == 64
+    stopped = 0
+    for g in groups.values():
+        ids = g["reasoning_ids"]
+        assert g["prefix_ids"] == forced
+        if g["reasoning_finish_reason"] == "stop":
+            stopped += 1
+            assert g["reasoning_matched"] == "</think>"
+            assert ids[-1] == think and ids.count(think) == 1
+        else:
+            assert think not in ids and len(ids) == 48
+    assert stopped >= 1  # this seed closes some reasonings: the stop string was honoured
+    hf = load_hf(model)
+    checked = set()
+    for beam in meta["beam_results"]:
+        m = beam["meta_info"]
+        g = groups[m["group_id"]]
+        n_r = len(g["reasoning_ids"])
+        out = beam["output_ids"]
+        assert out[:n_r] == g["reasoning_ids"] and out[n_r : n_r + 2] == forced
+        item = out[n_r + 2 :]
+        assert tuple(item) in paths and item[-1] == end
+        assert m["behaviour_logprobs"][n_r : n_r + 2] == [None, None]
+        assert None not in m["behaviour_logprobs"][:n_r] + m["behaviour_logprobs"][n_r + 2 :]
+        if len(checked) < 2 and m["group_id"] not in checked:
+            checked.add(m["group_id"])
+            context = prompt + g["reasoning_ids"] + forced
+            want = reference(hf, context, lines, 4, 8, pad_token_id=0, eos_token_id=None)
+            got = [b["output_ids"][n_r + 2 :] for b in meta["beam_results"]
+                   if b["meta_info"]["group_id"] == m["group_id"]]  # fmt: skip
+            assert got == [w for w, _ in want]
