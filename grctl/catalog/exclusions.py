@@ -3,9 +3,10 @@
 A path is closed when every item on it is excluded, and so is every node whose reachable paths
 (a beam stops at the first item it completes, so a path that runs on past an item is not
 reachable) are all closed: walking up from each closed path, a beam never enters a prefix that
-could only end at excluded items. The index this needs (the item ids sorted, each row's node,
-each node's parent and reachable paths) is built once per catalog, on the first request that
-excludes anything.
+could only end at excluded items. With min_new_tokens, only the paths deep enough count
+(min_length.py closes the rest): a prefix whose long enough items are all excluded is closed
+too. The index this needs (the item ids sorted, each row's node, each node's parent and
+reachable paths) is built once per catalog, on the first request that excludes anything.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from grctl.catalog.min_length import node_depths, node_levels, parents_of
 from grctl.errors import ValidationError
 
 if TYPE_CHECKING:
@@ -48,9 +50,21 @@ class _Index:
         nodes = np.arange(trie.num_nodes)
         self.node_of_row[trie.item_index] = np.repeat(nodes, self.items_per_node)
         child_offsets = trie.child_offsets.cpu().numpy().astype(np.int64)
-        self.parent = np.zeros(trie.num_nodes, np.int64)
-        self.parent[1:] = np.repeat(np.arange(trie.num_nodes), np.diff(child_offsets))
-        self.reach = _reachable_paths(child_offsets, self.items_per_node > 0, self.parent)
+        self.child_offsets = child_offsets
+        self.parent = parents_of(child_offsets)
+        self.depth = node_depths(child_offsets)
+        self.terminal = self.items_per_node > 0
+        self.reach = _reachable_paths(child_offsets, self.terminal, self.parent)
+        self._reach_deep: dict[int, np.ndarray] = {0: self.reach}
+
+    def reach_from(self, min_depth: int) -> np.ndarray:
+        """Per node, the reachable paths at depth >= min_depth."""
+        reach = self._reach_deep.get(min_depth)
+        if reach is None:
+            counted = self.terminal & (self.depth >= min_depth)
+            reach = _reachable_paths(self.child_offsets, counted, self.parent, self.terminal)
+            self._reach_deep[min_depth] = reach
+        return reach
 
     def rows_of(self, item_ids: tuple) -> np.ndarray:
         if self.is_int:
@@ -82,19 +96,16 @@ def _as_int(x: object) -> int | None:
     return value
 
 
-def _reachable_paths(child_offsets: np.ndarray, terminal: np.ndarray, parent: np.ndarray):
-    """Per node, the paths a beam entering it can still complete (an item's node counts one:
-    the beam stops there). Nodes are numbered by depth, so each level is a contiguous range."""
-    levels = [(0, 1)]
-    while True:
-        a, b = levels[-1]
-        na, nb = int(child_offsets[a]) + 1, int(child_offsets[b]) + 1
-        if na >= nb:
-            break
-        levels.append((na, nb))
-    reach = terminal.astype(np.int64)
-    for a, b in reversed(levels[1:]):  # deepest first: a node's count is whole before it adds
-        up = parent[a:b]
+def _reachable_paths(
+    child_offsets: np.ndarray, counted: np.ndarray, parent: np.ndarray, terminal=None
+):
+    """Per node, the `counted` paths a beam entering it can still complete (an item's node
+    counts one: the beam stops there; `terminal`, every item's node, defaults to `counted`).
+    Nodes are numbered by depth, so each level is a contiguous range."""
+    terminal = counted if terminal is None else terminal
+    reach = counted.astype(np.int64)
+    for a, b in reversed(node_levels(child_offsets)[1:]):  # deepest first: a node's count is
+        up = parent[a:b]  # whole before it adds
         np.add.at(reach, up, np.where(terminal[up], 0, reach[a:b]))
     return reach
 
@@ -107,14 +118,18 @@ def _index_of(catalog: Catalog) -> _Index:
         return index
 
 
-def excluded_nodes(catalog: Catalog, item_ids: tuple) -> np.ndarray:
-    """The sorted trie nodes closed by excluding `item_ids` (ids not in the catalog: ignored)."""
+def excluded_nodes(catalog: Catalog, item_ids: tuple, min_depth: int = 0) -> np.ndarray:
+    """The sorted trie nodes closed by excluding `item_ids` (ids not in the catalog: ignored),
+    counting only the paths that end at depth >= min_depth (min_new_tokens' closure)."""
     index = _index_of(catalog)
     rows = np.unique(index.rows_of(item_ids))  # an id sent twice (or as 7 and "7") counts once
     nodes, hits = np.unique(index.node_of_row[rows], return_counts=True)
     closed = nodes[hits == index.items_per_node[nodes]].tolist()
     out, lost = set(closed), {}
+    reach = index.reach_from(min_depth)
     for node in closed:
+        if index.depth[node] < min_depth:
+            continue  # never counted: min_new_tokens closes it already
         ancestors = []
         p = int(index.parent[node])
         while p != 0:
@@ -124,7 +139,7 @@ def excluded_nodes(catalog: Catalog, item_ids: tuple) -> np.ndarray:
             continue  # an item on the way ends every beam first: this path is never reached
         for a in ancestors:
             lost[a] = lost.get(a, 0) + 1
-            if lost[a] == index.reach[a]:
+            if lost[a] == reach[a]:
                 out.add(a)
     return np.array(sorted(out), np.int64)
 

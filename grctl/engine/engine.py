@@ -165,8 +165,8 @@ class Engine:
         self.scheduler.check_fits(req)
         while True:  # the request keeps the catalog served when it is queued, whatever reloads
             catalog = self._served_catalog(req)
-            excluded = excluded_of(req, catalog, self.device)  # off the lock: it reads the trie
             start = item_start_of(req, catalog)
+            excluded = excluded_of(req, catalog, self.device, start.depth)  # off the lock
             with self.gate:
                 if self._served_catalog(req) is catalog:  # else installed meanwhile: again
                     return self._queue(req, catalog, excluded, start)

@@ -86,7 +86,7 @@ class GenerateResult:
     request_id: str
     prompt_tokens: int
     output_ids: list[int]  # the top sequence
-    finish_reason: str  # "length" | "stop" | "item_complete" | "abort"
+    finish_reason: str  # "length" | "stop" | "item_complete" | "abort" | "no_item" (beam.py)
     matched_stop: int | str | None  # the stop token (or string) that ended the top sequence
     beams: list[BeamResult]  # the returned beams, best first (each with its logprobs, when asked)
     weight_version: str  # the version the request finished on

@@ -12,7 +12,7 @@ from grctl.catalog.resume import ROOT, ItemStart
 from grctl.engine.kv_cache import BeamKV, ContextKV
 from grctl.engine.request import GenerateRequest, GenerateResult, ItemResult, PromptLogprobs
 from grctl.engine.search import beam_results
-from grctl.engine.search.beam import BeamResult, Beams
+from grctl.engine.search.beam import NO_ITEM, BeamResult, Beams
 from grctl.engine.search.stop_strings import StopStrings
 
 if TYPE_CHECKING:
@@ -130,7 +130,9 @@ class Sequence:
             for b in beams:
                 b.output_token_logprobs = b.output_top_logprobs = None
         top = beams[0] if beams else None
-        reason = "abort" if aborted or top is None else top.finish_reason
+        reason = "abort" if aborted else top.finish_reason if top is not None else "abort"
+        if top is None and not aborted and self.catalog is not None and self.beams is not None:
+            reason = NO_ITEM  # the search ran: no item its constraints allow is reachable
         if not aborted and self.req.sampling.max_new_tokens == 0 and self.prefilled:
             reason = "length"
         versions = distinct(self.token_versions)

@@ -180,9 +180,12 @@ def _check_stop_strings(req: GenerateRequest) -> None:
         )
 
 
-def excluded_of(req: GenerateRequest, catalog: Catalog | None, device: torch.device) -> tuple:
+def excluded_of(
+    req: GenerateRequest, catalog: Catalog | None, device: torch.device, start_depth: int = 0
+) -> tuple:
     """(the catalog nodes a request's exclude_item_ids close, on the device, and those ids as
-    the catalog spells them); (None, frozenset()) when it excludes nothing."""
+    the catalog spells them); (None, frozenset()) when it excludes nothing. A request whose
+    item starts at `start_depth` counts only the items min_new_tokens leaves it."""
     ids = req.sampling.exclude_item_ids
     if not ids:
         return None, frozenset()
@@ -195,7 +198,8 @@ def excluded_of(req: GenerateRequest, catalog: Catalog | None, device: torch.dev
         raise ValidationError(
             f"exclude_item_ids holds {len(ids)} ids; at most {MAX_EXCLUDED_ITEMS} are allowed"
         )
-    nodes = torch.from_numpy(excluded_nodes(catalog, ids)).to(device)
+    min_depth = start_depth + req.sampling.min_new_tokens
+    nodes = torch.from_numpy(excluded_nodes(catalog, ids, min_depth)).to(device)
     return nodes, frozenset(excluded_set(catalog, ids))
 
 

@@ -136,7 +136,8 @@ class AbortRequestBody(Struct, kw_only=True):
 
 class FinishReason(Struct, kw_only=True, omit_defaults=True):
     # "length" | "stop" | "abort", or "item_complete" where sampling_params.item_finish_reason
-    # asks for it; the server always sends one
+    # asks for it, or "no_item" (a catalog request no item was reachable for: no beams); the
+    # server always sends one
     type: str = ""
     matched: int | str | None = None  # the stop token or string, when a stop token ended it
     length: int | None = None  # the number of generated tokens, when type == "length"

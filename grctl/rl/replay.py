@@ -3,7 +3,7 @@
 grctl reports, for every generated token, its log-probability under the distribution it was
 actually drawn from (docs/http-api.md): the logits over T (T = 1 at temperature 0), restricted to
 the catalog trie's children of the beam's prefix (less the nodes a request's exclude_item_ids
-close, and before min_new_tokens the children that would complete an item), log-softmaxed, then
+close, and before min_new_tokens the prefixes whose every item ends too soon), log-softmaxed, then
 top_k / top_p / min_p judged on that distribution, the dropped tokens -inf and the rest
 renormalised. A trainer needs the same quantity as a differentiable function of its own logits:
 
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from grctl.catalog import min_length
 from grctl.catalog.exclusions import excluded_nodes
 from grctl.catalog.loader import parse_catalog
 from grctl.catalog.store import Catalog, build_catalog
@@ -100,10 +101,10 @@ class CatalogReplay:
         trie = Trie(rows.paths, rows.lengths, torch.device("cpu"))
         return cls(Catalog(0, trie, rows.ids, "<bytes>", 0.0, rows.file_bytes))
 
-    def _banned_nodes(self, ids: tuple) -> np.ndarray:
-        key = tuple(sorted(map(str, ids)))
+    def _banned_nodes(self, ids: tuple, min_depth: int) -> np.ndarray:
+        key = (tuple(sorted(map(str, ids))), min_depth)
         if key not in self._banned:
-            self._banned[key] = excluded_nodes(self.catalog, tuple(ids))
+            self._banned[key] = excluded_nodes(self.catalog, tuple(ids), min_depth)
         return self._banned[key]
 
     def supports(
@@ -123,9 +124,12 @@ class CatalogReplay:
         nodes = torch.zeros(b, dtype=torch.int64)
         alive = torch.ones(b, dtype=torch.bool)
         banned = [
-            torch.from_numpy(self._banned_nodes(f.exclude_item_ids)) if f.exclude_item_ids else None
+            torch.from_numpy(self._banned_nodes(f.exclude_item_ids, f.min_new_tokens))
+            if f.exclude_item_ids
+            else None
             for f in filters
         ]
+        deepest = min_length.deepest(trie) if any(f.min_new_tokens for f in filters) else None
         for t in range(steps):
             here = torch.tensor([len(o) > t for o in outputs])
             if (here & ~alive).any():
@@ -139,8 +143,8 @@ class CatalogReplay:
             for j, r in enumerate(rows.tolist()):
                 if banned[r] is not None:
                     ok[j] &= ~torch.isin(child[j], banned[r])
-                if t + 1 < filters[r].min_new_tokens:
-                    ok[j] &= ~trie.is_terminal[child[j]]
+                if t + 1 < filters[r].min_new_tokens:  # prefixes whose items all end too soon
+                    ok[j] &= deepest[child[j]] >= filters[r].min_new_tokens
             chosen = torch.tensor([outputs[r][t] for r in rows.tolist()])
             hit = ok & (tok == chosen[:, None])
             missing = torch.nonzero(~hit.any(-1)).flatten()

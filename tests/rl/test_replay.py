@@ -48,15 +48,15 @@ def model():
 
 
 def allowed(items, prefix, f: Filters):
-    """The children of `prefix` a beam may take: those leading to an item not excluded, and,
-    before min_new_tokens, not completing an item there."""
+    """The children of `prefix` a beam may take: those leading to an item not excluded and
+    at least min_new_tokens long (a prefix whose items all end sooner is closed)."""
     ids = {f"it-{i}": p for i, p in enumerate(items)}
     excluded = {ids[i] for i in f.exclude_item_ids if i in ids}
     out = set()
     for item in items:
         if item in excluded or item[: len(prefix)] != tuple(prefix) or len(item) <= len(prefix):
             continue
-        if len(item) == len(prefix) + 1 and len(prefix) + 1 < f.min_new_tokens:
+        if len(item) < f.min_new_tokens:
             continue
         out.add(item[len(prefix)])
     return sorted(out)

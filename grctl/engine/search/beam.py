@@ -50,6 +50,9 @@ if TYPE_CHECKING:
 # reason codes of finished beams; 0: not finished, -1: still running when aborted
 STOP, ITEM, LENGTH, STOP_STRING = 1, 2, 3, 4
 REASONS = {STOP: "stop", ITEM: "item_complete", LENGTH: "length", STOP_STRING: "stop"}
+# a catalog request's finish when its search returned no beam: no item its constraints
+# (min_new_tokens, exclude_item_ids, processors, item_prefix) allow is reachable; not an abort
+NO_ITEM = "no_item"
 NEG_INF = float("-inf")
 
 # columns of StepState's packed tensors

@@ -5,7 +5,7 @@ they choose (deterministic: the best by score; width 1 sampled: one draw; wider 
 largest Gumbel keys), and each group runs as a few batched ops: a top-k or a draw per row, then
 the segmented top-k of each request's rows (segments.py). A catalog row gathers its trie node's
 children (the widest fan-out at that depth wide), with the padding, the excluded items' nodes
-and, before min_new_tokens, the items that would end too soon masked out.
+and, before min_new_tokens, the prefixes whose every item would end too soon masked out.
 
 Every candidate also carries its behaviour log-probability: the token's under the distribution
 the row chose from (sampled rows: sampler.sampling_logprobs; deterministic rows: the processed
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from grctl.catalog import min_length
 from grctl.engine.search import sampler
 from grctl.engine.search.row_tops import RowTops
 from grctl.engine.search.segments import segment_topk
@@ -202,10 +203,11 @@ def _children(x, lse, par: Parents, rows, g: Group, trie):
         num_nodes = trie.num_nodes
         keys = torch.cat([i * num_nodes + nodes for i, nodes in banned])
         mask |= torch.isin(local[:, None] * num_nodes + children, keys)
-    short = [b.num_steps + 1 < b.params.min_new_tokens for b in g.beams]
-    if any(short):
-        too_short = torch.from_numpy(np.repeat(np.array(short), g.num_rows)).to(dev)
-        mask |= ends & too_short[:, None]
+    # before min_new_tokens: the children whose every item ends too soon (min_length.py)
+    need = [b.start_depth + b.params.min_new_tokens for b in g.beams]
+    if any(b.num_steps + 1 < b.params.min_new_tokens for b in g.beams):
+        depth = torch.from_numpy(np.repeat(np.array(need, np.int32), g.num_rows)).to(dev)
+        mask |= min_length.deepest(trie)[children] < depth[:, None]
     # a padded entry repeats the next node's children: it leads nowhere (node 0)
     return xr.masked_fill(mask, NEG_INF), tokens, children.masked_fill(~valid, 0), ends
 
