@@ -35,6 +35,9 @@ class Catalog:
     loaded_at: float  # unix time
     file_bytes: int
     weight_version: str | None = None  # the weights' label when it was installed
+    # the engine gate's weight generation when it was installed (moves with every weight
+    # write): a rollback to a catalog of other weights is refused (engine/catalog_swap.py)
+    weights_generation: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -126,11 +129,17 @@ class CatalogStore:
         return path
 
     def load(
-        self, path: str, *, confine: bool = True, weight_version: str | None = None
+        self,
+        path: str,
+        *,
+        confine: bool = True,
+        weight_version: str | None = None,
+        weights_generation: int | None = None,
     ) -> Catalog:
         """Build the catalog at `path` and serve it; on any error the old one keeps serving.
         `confine=False` (the operator's own --catalog) skips the --weights-root check."""
-        return self.install(self.build(path, confine=confine), weight_version)
+        catalog = self.build(path, confine=confine)
+        return self.install(catalog, weight_version, weights_generation)
 
     def build(self, path: str, *, confine: bool = True) -> Catalog:
         """The catalog at `path`, built and checked, not served (its version is given when it
@@ -141,24 +150,45 @@ class CatalogStore:
                 path, 0, self.device, vocab_size=self.vocab_size, max_bytes=self.max_bytes
             )
 
-    def install(self, catalog: Catalog, weight_version: str | None = None) -> Catalog:
+    def install(
+        self,
+        catalog: Catalog,
+        weight_version: str | None = None,
+        weights_generation: int | None = None,
+    ) -> Catalog:
         """Serve a built catalog from now on, numbered after the last one and labelled with the
-        weights' version; the one it replaces becomes the rollback target."""
+        weights' version (and generation); the one it replaces becomes the rollback target."""
         with self._lock:
             self._last_version += 1
-            catalog = replace(catalog, version=self._last_version, weight_version=weight_version)
+            catalog = replace(
+                catalog,
+                version=self._last_version,
+                weight_version=weight_version,
+                weights_generation=weights_generation,
+            )
             self._previous, self._current = self._current, catalog
             self.num_reloads += 1
         return catalog
 
-    def rollback(self) -> Catalog:
+    @property
+    def previous(self) -> Catalog | None:
+        """What a rollback would serve."""
+        return self._previous
+
+    def rollback(
+        self, weight_version: str | None = None, weights_generation: int | None = None
+    ) -> Catalog:
+        """Serve the previous catalog again, labelled with the weights it is served with now."""
         with self._reload_lock, self._lock:
             if self._previous is None:
                 raise Conflict(
                     "there is no previous catalog to roll back to",
                     hint="rollback undoes one /catalog/reload",
                 )
-            self._current, self._previous = self._previous, None
+            again = replace(
+                self._previous, weight_version=weight_version, weights_generation=weights_generation
+            )
+            self._current, self._previous = again, None
             self.num_rollbacks += 1
             return self._current
 

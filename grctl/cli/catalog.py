@@ -59,10 +59,19 @@ def reload(
 
 @catalog_app.command("rollback")
 def rollback(
-    url: Urls = None, api_key: ApiKey = None, timeout: Timeout = 30.0, json_: Json = False
+    url: Urls = None,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force", help="Even to a catalog of other weights than the served ones (else 409)."
+        ),
+    ] = False,
+    api_key: ApiKey = None,
+    timeout: Timeout = 30.0,
+    json_: Json = False,
 ):
     """Serve the catalog from before the last reload again."""
-    on_servers("rollback", url, api_key, timeout, json_, lambda gr: gr.catalog_rollback())
+    on_servers("rollback", url, api_key, timeout, json_, lambda gr: gr.catalog_rollback(force))
 
 
 @catalog_app.command("validate")

@@ -127,8 +127,10 @@ class Routes:
         body = {"path": path}
         return self._call(Call("POST", "/catalog/reload", as_(catalog.CatalogStatus), body))
 
-    def catalog_rollback(self) -> catalog.CatalogStatus:
-        return self._call(Call("POST", "/catalog/rollback", as_(catalog.CatalogStatus), {}))
+    def catalog_rollback(self, force: bool = False) -> catalog.CatalogStatus:
+        """force: even to a catalog installed with other weights than the served ones."""
+        body = {"force": True} if force else {}
+        return self._call(Call("POST", "/catalog/rollback", as_(catalog.CatalogStatus), body))
 
     # Memory (verl's colocated rollout; the server needs --enable-memory-saver)
     def release_memory_occupation(self, tags: Sequence[str] | None = None) -> w.MemoryResponse:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from grctl.errors import Conflict
+
 if TYPE_CHECKING:
     from grctl.catalog.store import Catalog
     from grctl.engine.engine import Engine
@@ -27,10 +29,30 @@ def install(engine: Engine, catalog: Catalog, with_weights: bool) -> tuple[Catal
                 if seq.catalog is not None:
                     engine.worker.abort(seq)
                     ended += 1
-        installed = engine.catalogs.install(catalog, gate.label)
+        installed = engine.catalogs.install(catalog, gate.label, gate.generation)
         gate.catalog_fault = gate.catalog_pending = None
         gate.notify()
         return installed, ended
+
+
+def rollback(engine: Engine, force: bool = False) -> Catalog:
+    """Serve the catalog from before the last install again. One installed with other weights
+    than the ones served now (a push with --catalog since) would pair those weights with the
+    wrong items: a 409 `conflict` unless `force`. The catalog served again is labelled with
+    the weights it now goes with."""
+    gate = engine.gate
+    with gate:
+        prev = engine.catalogs.previous
+        other = prev is not None and prev.weights_generation not in (None, gate.generation)
+        if other and not force:
+            raise Conflict(
+                f"the previous catalog (version {prev.version}) went with other weights (version "
+                f"{prev.weight_version!r}) than the ones served now ({gate.label!r}): rolling "
+                "back would serve these weights with another catalog",
+                hint="push the previous weights with their catalog (grctl push --catalog), or "
+                'roll back anyway with {"force": true} (grctl catalog rollback --force)',
+            )
+        return engine.catalogs.rollback(gate.label, gate.generation)
 
 
 def failed(engine: Engine, why: str) -> None:

@@ -8,6 +8,11 @@ class CatalogReloadBody(Struct, kw_only=True):
     path: str | None = None  # a JSONL file on the server (under --weights-root when set)
 
 
+class CatalogRollbackBody(Struct, kw_only=True, forbid_unknown_fields=True):
+    # roll back even to a catalog installed with other weights than the served ones (else 409)
+    force: bool = False
+
+
 class CatalogStatus(Struct, kw_only=True):
     loaded: bool = False
     version: int | None = None  # grows by one per reload; rollback returns to the previous one

@@ -43,7 +43,10 @@ def serve(config: ServeConfig) -> None:
     app = create_app(engine, config)
     if config.catalog is not None:
         catalog = engine.catalogs.load(
-            config.catalog, confine=False, weight_version=engine.gate.label
+            config.catalog,
+            confine=False,
+            weight_version=engine.gate.label,
+            weights_generation=engine.gate.generation,
         )
         log.info(
             "catalog %s: %d items, version %d", config.catalog, len(catalog.ids), catalog.version

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import random
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -115,6 +117,54 @@ def test_status_reload_rollback_json_and_typed_client(tmp_path):
         assert out.returncode == 0 and "v1.jsonl" in out.stdout
         out = grctl("status", *url)  # the server's compact view names its catalog
         assert out.returncode == 0 and "catalog" in out.stdout and "400 items" in out.stdout
+
+
+def tiny_items(path, seed: int, num: int = 30) -> set[tuple[int, ...]]:
+    """A catalog of 3-token items inside the tiny checkpoint's vocabulary (128)."""
+    rng = random.Random(seed)
+    rows = {tuple(rng.randrange(lo, lo + 30) for lo in (10, 45, 80)) for _ in range(num)}
+    lines = [json.dumps({"item_id": f"{seed}-{i}", "token_ids": r}) for i, r in enumerate(rows)]
+    path.write_text("\n".join(lines) + "\n")
+    return rows
+
+
+def test_rollback_after_a_push_with_its_catalog_needs_force(tmp_path, checkpoint):
+    """A push with --catalog installs weights b with catalog b: rolling the catalog back alone
+    would serve b's weights with a's items, so it is a 409 (nothing changes) unless forced."""
+    items = {k: tiny_items(tmp_path / f"{k}.jsonl", seed) for k, seed in (("a", 1), ("b", 2))}
+    items["c"] = tiny_items(tmp_path / "c.jsonl", 3)
+    flags = ("--allow-catalog-reload", "--allow-weight-update", "--weight-version", "a")
+    model = ("--model-path", str(checkpoint(seed=0)), "--catalog", str(tmp_path / "a.jsonl"))
+    with running_server(*flags, *model) as srv, GRClient(srv.url) as gr:
+        url = ["--url", srv.url]
+
+        def served() -> tuple[str, str | None, tuple[int, ...]]:
+            status = gr.catalog_status()
+            out = gr.generate([3, 1, 4], max_new_tokens=3)
+            return Path(status.source).stem, status.weight_version, tuple(out.output_ids)
+
+        args = ["--checkpoint", str(checkpoint(seed=1)), "--catalog", str(tmp_path / "b.jsonl")]
+        out = grctl("push", *args, "--weight-version", "b", "--no-verify", *url, "--json")
+        assert out.returncode == 0, out.stdout + out.stderr
+        source, label, item = served()
+        assert (source, label) == ("b", "b") and item in items["b"]
+        out = grctl("catalog", "rollback", *url, "--json")
+        assert out.returncode == 1, out.stdout
+        error = json.loads(out.stdout)["servers"][0]["error"]
+        assert error["status"] == 409 and error["code"] == "conflict", error
+        assert "other weights" in error["message"] and "--force" in error["message"]
+        assert served()[:2] == ("b", "b") and gr.catalog_status().num_rollbacks == 0
+        out = grctl("catalog", "rollback", "--force", *url, "--json")
+        assert out.returncode == 0, out.stdout + out.stderr
+        source, label, item = served()  # a's items with b's weights, as asked: labelled so
+        assert (source, label) == ("a", "b") and item in items["a"]
+        assert gr.get_weight_version().weight_version == "b"
+        # a reload under the same weights rolls back without force
+        assert grctl("catalog", "reload", str(tmp_path / "c.jsonl"), *url).returncode == 0
+        assert served()[0] == "c"
+        assert grctl("catalog", "rollback", *url).returncode == 0
+        source, label, item = served()
+        assert (source, label) == ("a", "b") and item in items["a"]
 
 
 def test_serve_refuses_a_bad_catalog_at_start(tmp_path):

@@ -571,6 +571,9 @@ def catalog_cases(root: Path) -> list[tuple[str, str, object]]:
         c.append(("POST", "/update_weights_from_tensor", body))
     body = {"names": [], "dtypes": [], "shapes": [], "catalog_path": {"x": 1}}
     c.append(("POST", "/update_weights_from_distributed", body))
+    # /catalog/rollback's force: wrong types, a huge number, a misspelt field (never a rollback)
+    for rollback in ({"force": [True]}, {"force": {"a": 1}}, {"force": 10**30}, {"forse": True}):
+        c.append(("POST", "/catalog/rollback", rollback))
     return c
 
 

@@ -1,4 +1,5 @@
-"""Catalog routes: GET /catalog/status, POST /catalog/reload {"path"}, POST /catalog/rollback.
+"""Catalog routes: GET /catalog/status, POST /catalog/reload {"path"}, POST /catalog/rollback
+{"force"} (a rollback to a catalog of other weights than the served ones is a 409 unless forced).
 
 Reload and rollback are off unless --allow-catalog-reload (403 route_disabled). A reload builds
 the new catalog in a worker thread beside the one being served and swaps it in one assignment;
@@ -15,7 +16,7 @@ from litestar.datastructures import State
 from litestar.params import Body
 
 from grctl.engine import catalog_swap
-from grctl.protocol.catalog import CatalogReloadBody, CatalogStatus
+from grctl.protocol.catalog import CatalogReloadBody, CatalogRollbackBody, CatalogStatus
 from grctl.server.guards import catalog_reload_guard
 from grctl.server.offload import offload
 
@@ -49,8 +50,10 @@ async def catalog_reload(
     status_code=200,
     summary="Serve the catalog from before the last reload again",
 )
-async def catalog_rollback(state: State) -> CatalogStatus:
-    state.engine.catalogs.rollback()
+async def catalog_rollback(
+    state: State, data: Annotated[CatalogRollbackBody | None, Body()] = None
+) -> CatalogStatus:
+    catalog_swap.rollback(state.engine, force=(data or CatalogRollbackBody()).force)
     return status_of(state)
 
 
