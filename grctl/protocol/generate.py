@@ -236,7 +236,8 @@ class MetaInfo(Struct, kw_only=True):
     catalog_version: int | None = None
     item_prefix_len: int | None = None  # with a catalog: the prompt tokens its item resumed
     # stochastic beams: the (k+1)-th largest Gumbel key of the search, k the beams returned;
-    # null when fewer than k + 1 sequences could be drawn; absent for other requests
+    # null when fewer than k + 1 sequences could be drawn (the whole support was); absent for
+    # other requests and for an aborted one (finish_reason abort: no estimator applies)
     gumbel_threshold: float | None | UnsetType = UNSET
     # with return_sampling_mask: the top beam's (SGLang's shape)
     output_token_sampling_mask: list[list[int]] | None = None

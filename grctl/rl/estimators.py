@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import numpy as np
 import torch
 
@@ -163,3 +164,22 @@ def unordered_set_advantages(
     w = unordered_set_weights(sampling_logprob, whole_support=whole_support)
     b = unordered_set_baselines(sampling_logprob, rewards, whole_support=whole_support)
     return w * (torch.as_tensor(rewards, dtype=torch.float64) - b)
+
+
+def whole_support_of(meta_info) -> bool:
+    """`whole_support` for one stochastic-beam reply, from its meta_info (the JSON dict, or the
+    client's struct): True when gumbel_threshold is null (every sequence of the support was
+    drawn: the estimate is exact), False when it is a key. An aborted reply (finish_reason
+    abort; its gumbel_threshold is absent) is no sample without replacement of anything: its
+    beams are partial, and no estimator weights them: ValueError (resubmit the request)."""
+    get = meta_info.get if isinstance(meta_info, dict) else lambda k: getattr(meta_info, k, None)
+    finish = get("finish_reason")
+    kind = finish.get("type") if isinstance(finish, dict) else getattr(finish, "type", None)
+    threshold = get("gumbel_threshold")
+    absent = isinstance(meta_info, dict) and "gumbel_threshold" not in meta_info
+    if kind == "abort" or absent or threshold is msgspec.UNSET:
+        raise ValueError(
+            "an aborted reply (finish_reason abort, no gumbel_threshold) has no estimator: "
+            "resubmit it"
+        )
+    return threshold is None

@@ -33,6 +33,7 @@ from grctl.client.http import GRClient
 from grctl.client.sync import WeightSync
 from grctl.errors import GrctlError
 from grctl.model.builtin import SID_LEVELS
+from grctl.rl.estimators import whole_support_of
 
 RATIO_TOLERANCE = 1e-4  # fp32: the server's decode and the trainer's replay on one weights
 
@@ -56,7 +57,8 @@ class StepRow:
 
 def rollout(gr: GRClient, task: Task, group: int, seed: int) -> list[Group]:
     """One batch /generate: per user `group` stochastic beams at temperature 1 under the served
-    catalog, with logprobs; one Group per user, its beams in the reply's order."""
+    catalog, with logprobs; one Group per user, its beams in the reply's order (none for a
+    user whose reply was aborted: its beams are partial, no estimator weights them)."""
     users = list(range(task.num_users))
     sp = {"max_new_tokens": SID_LEVELS, "temperature": 1.0, "n": group}
     params = [{**sp, "seed": seed * len(users) + u} for u in users]
@@ -79,8 +81,12 @@ def rollout(gr: GRClient, task: Task, group: int, seed: int) -> list[Group]:
                     task.reward(user, b.output_ids),
                 )
             )
-        threshold = meta.gumbel_threshold if isinstance(meta.gumbel_threshold, float) else None
-        groups.append(Group(user, samples, threshold, whole_support=threshold is None))
+        try:
+            whole = whole_support_of(meta)
+        except ValueError:  # aborted (a weight push mid-rollout): partial beams, no estimator
+            continue
+        threshold = None if whole else float(meta.gumbel_threshold)
+        groups.append(Group(user, samples, threshold, whole_support=whole))
     return groups
 
 

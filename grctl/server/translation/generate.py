@@ -334,8 +334,10 @@ def _items(result: GenerateResult) -> list[ItemResultOut] | None:
 
 
 def _is_gumbel(result: GenerateResult) -> bool:
-    """Stochastic beams, whose reply carries gumbel_threshold (null: the support was drawn)."""
-    return any(b.gumbel_key is not None for b in result.beams)
+    """Stochastic beams that ran to their end, whose reply carries gumbel_threshold (null: the
+    support was drawn); an aborted one's is absent (its beams are no sample of anything)."""
+    drawn = any(b.gumbel_key is not None for b in result.beams)
+    return drawn and result.finish_reason != "abort"
 
 
 def to_response(result: GenerateResult, tokenizer: Any | None = None) -> GenerateResponse:
