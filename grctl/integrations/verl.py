@@ -102,6 +102,7 @@ class GrctlServer:
         """verl's sampling params as grctl's: logprobs -> return_logprob, max_tokens (vLLM's) ->
         max_new_tokens, by default the rest of the response budget (SGLang's actor's rule)."""
         sp = {**self.defaults, **sampling_params}
+        sp.pop("stage1_sample_idx", None)  # verl-GR's agent loop's bookkeeping, not a param
         return_logprob = bool(sp.pop("logprobs", False))
         if sp.pop("prompt_logprobs", None) is not None:
             raise ValueError("rollout.name=grctl does not return prompt logprobs to verl")
@@ -145,9 +146,22 @@ class GrctlServer:
         }
         if meta.item_results:
             extra["item_id"] = meta.item_results[0].item_id
+        if meta.stage_groups:  # a multi-stage reply: what verl-GR's rollout server returns
+            spans = meta.beam_results[0].meta_info.stage_spans or ()
+            extra["generated_items"] = [  # the item stage's tokens (catalog or free beams)
+                t
+                for sp_ in spans
+                if sp_.kind == "searched"
+                for t in reply.output_ids[sp_.start : sp_.end]
+            ]
+            if meta.beam_group_id is not None:
+                extra["_beam_group_id"] = meta.beam_group_id
+                extra["_beam_index"] = meta.beam_index
         logprobs = None
-        if return_logprob:
-            logprobs = [float(e[0]) for e in meta.output_token_logprobs or ()]
+        if return_logprob:  # forced prefix tokens (null: not drawn) as verl-GR counts them, 0.0
+            logprobs = [
+                0.0 if e[0] is None else float(e[0]) for e in meta.output_token_logprobs or ()
+            ]
         return TokenOutput(
             token_ids=list(reply.output_ids),
             log_probs=logprobs,
