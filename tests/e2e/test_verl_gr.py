@@ -9,7 +9,8 @@ The agent loop's server manager is grctl's verl server actor (grctl/integrations
 generating through a real `grctl serve` of the tiny OpenOneRec model (tests/support/onerec.py)
 with its SID catalog. The parts of verl's AgentLoopBase that verl-GR's run calls and verl 0.9.1
 renamed (`apply_chat_template`, `process_vision_info`) are given on the instance: a text-only
-chat template.
+chat template. Runs on verl 0.9.1 (installed) and on verl-GR's pin 0.7.1 put first on the
+path: `pip download --no-deps verl==0.7.1`, unzip the wheel into DIR, `PYTHONPATH=DIR:.`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from tests.support.onerec import expand_vocab, spread_sid_rows, write_base
 from tests.support.peers import peer_package
 
 pytest.importorskip("verl.workers.rollout.replica")
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]  # as test_verl.py
 
 VERL_GR = "mxuax/verl-GR"
 # modules verl's agent loop imports at module level that its test environment lacks
