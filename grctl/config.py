@@ -39,7 +39,7 @@ class ServeConfig:
     beam_group_ttl_s: float = knob(
         600.0, "Seconds a multi-stage beam group is kept for beam_index calls.", "HTTP", min=0.001
     )
-    log_requests: bool = knob(False, "Log one JSON line per request (stderr).", "HTTP")
+    log_requests: bool = knob(False, "Log one line per request (in --log-format).", "HTTP")
     log_level: str = knob("info", "Server log level.", "HTTP", choices=LOG_LEVELS)
     log_format: str = knob("text", "Server log lines: text or json.", "HTTP", choices=LOG_FORMATS)
     metrics_auth: bool = knob(False, "Require the API key on /metrics too.", "HTTP")

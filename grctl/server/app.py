@@ -32,9 +32,10 @@ from grctl.model.builtin import DEFAULT_MODEL_NAME
 from grctl.server.auth import api_key_guard
 from grctl.server.beam_groups import BeamGroups
 from grctl.server.body import StrictJSONRequest
+from grctl.server.engine_metrics import EngineCollector
 from grctl.server.exceptions import EXCEPTION_HANDLERS
 from grctl.server.limits import BodyLimitMiddleware
-from grctl.server.metrics import Metrics, MetricsMiddleware
+from grctl.server.metrics import Metrics, MetricsMiddleware, install_log_filter
 from grctl.server.openapi import openapi_config, swagger_assets
 from grctl.server.router import router_membership
 from grctl.server.routes.catalog import catalog_routes
@@ -71,7 +72,7 @@ async def engine_lifespan(app: Litestar) -> AsyncIterator[None]:
 
 def create_app(engine: Any, config: ServeConfig, tokenizer: Any | None = None) -> Litestar:
     """The grctl HTTP app over an engine that is not started yet; the lifespan starts it."""
-    metrics = Metrics()
+    metrics = Metrics(config.served_model_name or config.engine.model_path or DEFAULT_MODEL_NAME)
     if engine.catalogs is None:  # reloads need a store even when none was loaded at start
         engine.catalogs = CatalogStore(
             engine.device,
@@ -97,6 +98,8 @@ def create_app(engine: Any, config: ServeConfig, tokenizer: Any | None = None) -
             ),
         }
     )
+    metrics.add_collector(EngineCollector(state))
+    install_log_filter(metrics)
     return Litestar(
         route_handlers=[
             *generate_routes,

@@ -14,9 +14,11 @@ from litestar.exceptions import HTTPException, ValidationException
 
 from grctl.errors import GrctlError, Unauthorized, WrongApiKey
 from grctl.server import logs
+from grctl.server.metrics import UNMATCHED
 
 log = logging.getLogger("grctl.server")
 
+RETRY_AFTER_S = "1"  # seconds, on retryable 429 and 503 replies (clients back off from there)
 SGLANG_ERRORS = {"sglang_errors": True}  # the opt of the routes whose errors SGLang's clients read
 
 CODES_BY_STATUS = {
@@ -56,6 +58,15 @@ def error_response(
     )
     error = {"code": code, "message": message, "retryable": retryable, "status": status}
     body: dict = {"error": error}
+    if retryable and status in (429, 503):  # overloaded, paused, ...: when to come back
+        headers = {"Retry-After": RETRY_AFTER_S, **(headers or {})}
+    if "path_template" not in request.scope:  # no route matched: the metrics middleware,
+        # which wraps routes only, never saw it
+        metrics = getattr(request.app.state, "metrics", None)
+        if metrics is not None:
+            metrics.http_requests.labels(
+                route=UNMATCHED, method=request.method, status=str(status)
+            ).inc()
     handler = request.scope.get("route_handler")
     if handler is not None and handler.opt.get("sglang_errors"):
         body = {"success": False, "message": message, **body}

@@ -10,7 +10,8 @@ handler. Events carry named fields, so both formats read the same facts:
 
 Events: weight_update (transport, tensors, bytes, ms, version), weight_version, pause, continue,
 refused (every error reply: code, status, method, path, client, message), auth_failure (the
-same fields; never the key that was sent).
+same fields; never the key that was sent), request (with --log-requests, on the grctl.access
+logger: method, path, route, status, ms, client).
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ import time
 log = logging.getLogger("grctl.server")
 
 
-def event(name: str, level: int = logging.INFO, **fields: object) -> None:
+def event(
+    name: str, level: int = logging.INFO, logger: logging.Logger = log, **fields: object
+) -> None:
     """Log one event: `name` is the message, `fields` its facts (JSON-friendly values)."""
-    log.log(level, name, extra={"event": name, "fields": fields})
+    logger.log(level, name, extra={"event": name, "fields": fields})
 
 
 def _text_value(value: object) -> str:

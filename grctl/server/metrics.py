@@ -1,174 +1,129 @@
-"""Prometheus text exposition: HTTP and generate counters and histograms, engine gauges.
-
-A few dozen series, so a small registry here rather than a dependency. HTTP series are labelled
-by route template (/poll/{request_id}, never the id), so their number stays bounded.
+"""/metrics: prometheus_client's registry, one per app. The HTTP and generate series are kept
+here as requests pass; the engine's and SGLang's families are read at scrape time
+(engine_metrics.py). HTTP series are labelled by route template (/poll/{request_id}, never the
+id), and a request no route matched by `route="unmatched"`, so their number stays bounded.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import sys
-import threading
+import logging
 import time
-from collections import defaultdict
 
 from litestar.enums import ScopeType
 from litestar.middleware import ASGIMiddleware
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.registry import Collector
 
 from grctl.engine.request import GenerateResult
 from grctl.errors import GrctlError
+from grctl.server.logs import event
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-Labels = tuple[tuple[str, str], ...]
-
-
-def fmt_labels(labels: Labels) -> str:
-    if not labels:
-        return ""
-    esc = (v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") for _, v in labels)
-    return "{" + ",".join(f'{k}="{v}"' for (k, _), v in zip(labels, esc, strict=True)) + "}"
-
-
-class Histogram:
-    def __init__(self, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> None:
-        self.buckets = buckets
-        self.counts = [0] * len(buckets)
-        self.total = 0
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.total += 1
-        self.sum += value
-        for i, bound in enumerate(self.buckets):
-            if value <= bound:
-                self.counts[i] += 1
-
-    def lines(self, name: str, labels: Labels) -> list[str]:
-        out = [
-            f"{name}_bucket{fmt_labels((*labels, ('le', str(b))))} {c}"
-            for b, c in zip(self.buckets, self.counts, strict=True)
-        ]
-        out.append(f"{name}_bucket{fmt_labels((*labels, ('le', '+Inf')))} {self.total}")
-        out.append(f"{name}_sum{fmt_labels(labels)} {self.sum}")
-        out.append(f"{name}_count{fmt_labels(labels)} {self.total}")
-        return out
+UNMATCHED = "unmatched"  # the route label of a request no route matched (404, a scanner)
+access_log = logging.getLogger("grctl.access")
+disable_created_metrics()  # no `_created` series beside every counter (SGLang exports none)
 
 
 class Metrics:
-    """Counters and histograms the server keeps; gauges are read from the engine when scraped."""
+    """The app's registry and the series it keeps itself."""
 
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.counters: dict[str, dict[Labels, float]] = defaultdict(lambda: defaultdict(float))
-        self.histograms: dict[str, dict[Labels, Histogram]] = defaultdict(dict)
+    def __init__(self, model_name: str = "") -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        kw = {"registry": self.registry}
+        self.http_requests = Counter(
+            "gr_http_requests",
+            "HTTP requests answered, by route template (unmatched: no route), method and status.",
+            ["route", "method", "status"],
+            **kw,
+        )
+        self.http_duration = Histogram(
+            "gr_http_request_duration_seconds",
+            "Time from a request's arrival to its reply, by route template.",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            **kw,
+        )
+        self.results = Counter(
+            "gr_generate_results",
+            "Generation results handed out over HTTP, by finish reason.",
+            ["finish_reason"],
+            **kw,
+        )
+        self.latency = Histogram(
+            "gr_generate_latency_seconds",
+            "A generation request's time in the engine, queued to finished.",
+            buckets=LATENCY_BUCKETS,
+            **kw,
+        )
+        self.e2e = Histogram(  # SGLang's name and labels (its tokenizer manager's)
+            "sglang:e2e_request_latency_seconds",
+            "Histogram of End-to-end request latency in seconds",
+            ["model_name", "is_streaming"],
+            buckets=LATENCY_BUCKETS,
+            **kw,
+        )
+        self.invalid_http = Counter(
+            "gr_http_invalid_requests",
+            "Connections whose bytes were not HTTP (a router's TCP probe, a scanner): uvicorn's "
+            "'Invalid HTTP request received', logged at debug only.",
+            **kw,
+        )
 
-    def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
-        with self.lock:
-            self.counters[name][tuple(sorted(labels.items()))] += value
-
-    def observe(self, name: str, value: float, **labels: str) -> None:
-        key = tuple(sorted(labels.items()))
-        with self.lock:
-            hist = self.histograms[name].get(key)
-            if hist is None:
-                hist = self.histograms[name][key] = Histogram()
-            hist.observe(value)
+    def add_collector(self, collector: Collector) -> None:
+        self.registry.register(collector)
 
     def observe_result(self, result: GenerateResult) -> None:
         """A result handed out over HTTP (/generate, /result): its end and engine latency."""
-        self.inc("gr_generate_results_total", finish_reason=result.finish_reason)
-        self.observe("gr_generate_latency_seconds", result.latency_s)
+        self.results.labels(finish_reason=result.finish_reason).inc()
+        self.latency.observe(result.latency_s)
+        self.e2e.labels(model_name=self.model_name, is_streaming="false").observe(result.latency_s)
 
-    def render(self, gauges: dict[str, float], counters: dict[str, float]) -> str:
-        """This registry's series, then the engine's counters and gauges read at scrape time."""
-        lines: list[str] = []
-        with self.lock:
-            for name, series in sorted(self.counters.items()):
-                lines.append(f"# TYPE {name} counter")
-                lines += [f"{name}{fmt_labels(k)} {v}" for k, v in sorted(series.items())]
-        for name, value in sorted(counters.items()):
-            lines += [f"# TYPE {name} counter", f"{name} {value}"]
-        with self.lock:
-            for name, series in sorted(self.histograms.items()):
-                lines.append(f"# TYPE {name} histogram")
-                for k, hist in sorted(series.items()):
-                    lines += hist.lines(name, k)
-        for name, value in sorted(gauges.items()):
-            lines += [f"# TYPE {name} gauge", f"{name} {value}"]
-        return "\n".join(lines) + "\n"
+    def render(self) -> str:
+        return generate_latest(self.registry).decode()
 
 
-# The status numbers that only grow (a prefix-cache flush resets its own, which Prometheus reads
-# as a counter reset); /metrics exposes them as `<name>_total` counters, every other as a gauge.
-COUNTER_SERIES = frozenset(
-    [
-        *(
-            f"gr_scheduler_{k}"
-            for k in (
-                "finished",
-                "evicted_results",
-                "steps",
-                "prefill_batches",
-                "prefill_tokens",
-                "decode_steps",
-                "decode_rows",
-            )
-        ),
-        *(
-            f"gr_prefill_cache_{k}"  # the prefix cache, under the name its /status section has
-            for k in ("hits", "misses", "hit_tokens", "inserts", "evictions")
-        ),
-        *(
-            f"gr_requests_{k}"
-            for k in (
-                "submitted",
-                "finished",
-                "succeeded",
-                "aborted",
-                "prompt_tokens",
-                "cached_tokens",
-                "generated_tokens",
-                "latency_s_sum",
-            )
-        ),
-        "gr_engine_errors",
-        "gr_engine_cuda_graph_replays",
-        "gr_weights_weight_update_count",
-    ]
-)
+class InvalidHttpFilter(logging.Filter):
+    """uvicorn logs bytes that are not HTTP (sglang-router's and smg's TCP probes, scanners) as
+    'WARNING Invalid HTTP request received.': counted in /metrics instead, and logged at debug
+    only when grctl logs at debug."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        super().__init__()
+        self.metrics = metrics
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("Invalid HTTP request"):
+            return True
+        self.metrics.invalid_http.inc()
+        return logging.getLogger("grctl").isEnabledFor(logging.DEBUG)
 
 
-def split_series(values: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
-    """(counters named `<name>_total`, gauges) out of a flat status."""
-    counters = {f"{k}_total": v for k, v in values.items() if k in COUNTER_SERIES}
-    gauges = {k: v for k, v in values.items() if k not in COUNTER_SERIES}
-    return counters, gauges
-
-
-def numeric_gauges(prefix: str, tree: dict) -> dict[str, float]:
-    """Every int, float or bool leaf of a nested status dict, as gr_<path> gauges."""
-    out: dict[str, float] = {}
-    for key, value in tree.items():
-        name = f"{prefix}_{key}".replace(".", "_").replace("-", "_")
-        if isinstance(value, dict):
-            out.update(numeric_gauges(name, value))
-        elif isinstance(value, bool):
-            out[name] = float(value)
-        elif isinstance(value, int | float) and math.isfinite(value):
-            out[name] = value
-    return out
+def install_log_filter(metrics: Metrics) -> None:
+    uvicorn_error = logging.getLogger("uvicorn.error")
+    for old in [f for f in uvicorn_error.filters if isinstance(f, InvalidHttpFilter)]:
+        uvicorn_error.removeFilter(old)  # the latest app's registry counts them
+    uvicorn_error.addFilter(InvalidHttpFilter(metrics))
 
 
 class MetricsMiddleware(ASGIMiddleware):
-    """Counts and times every routed HTTP request; with log_requests, one JSON line each."""
+    """Counts and times every HTTP request; with log_requests, one `request` log event each
+    (through the server's log formatter: text or JSON with ts, level and logger)."""
 
     scopes = (ScopeType.HTTP,)
 
     def __init__(self, metrics: Metrics, log_requests: bool = False) -> None:
         self.metrics = metrics
         self.log_requests = log_requests
+        if log_requests:  # asked for: shown whatever --log-level says of other events
+            access_log.setLevel(logging.INFO)
 
     async def handle(self, scope: Scope, receive: Receive, send: Send, next_app: ASGIApp) -> None:
         start = time.perf_counter()
@@ -187,19 +142,18 @@ class MetricsMiddleware(ASGIMiddleware):
             raise
         finally:
             elapsed = time.perf_counter() - start
-            route = scope.get("path_template") or scope["path"]
+            route = scope.get("path_template") or UNMATCHED
             method = scope["method"]
-            self.metrics.inc(
-                "gr_http_requests_total", route=route, method=method, status=str(status)
-            )
-            self.metrics.observe("gr_http_request_duration_seconds", elapsed, route=route)
+            self.metrics.http_requests.labels(route=route, method=method, status=str(status)).inc()
+            self.metrics.http_duration.labels(route=route).observe(elapsed)
             if self.log_requests:
-                line = {
-                    "method": method,
-                    "path": scope["path"],
-                    "route": route,
-                    "status": status,
-                    "ms": round(elapsed * 1000, 3),
-                    "client": (scope.get("client") or [""])[0],
-                }
-                print(json.dumps(line), file=sys.stderr, flush=True)
+                event(
+                    "request",
+                    logger=access_log,
+                    method=method,
+                    path=scope["path"],
+                    route=route,
+                    status=status,
+                    ms=round(elapsed * 1000, 3),
+                    client=(scope.get("client") or [""])[0],
+                )

@@ -35,7 +35,15 @@ CORE = {
     "decode_moments",
 }
 SECTIONS = {
-    "memory": {"weight_gb", "kv_cache_gb", "graph_gb", "token_capacity"},
+    # SGLang's four, and grctl's host memory (docs/http-api.md: released weights' host copies)
+    "memory": {
+        "weight_gb",
+        "kv_cache_gb",
+        "graph_gb",
+        "token_capacity",
+        "host_rss_gb",
+        "weight_host_backup_gb",
+    },
     "disaggregation": {
         "mode",
         "prefill_bootstrap_queue_reqs",

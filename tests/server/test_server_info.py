@@ -45,7 +45,7 @@ def test_metrics_prometheus_text(http):
     assert "# TYPE gr_http_requests_total counter" in text
     assert 'gr_http_requests_total{method="POST",route="/generate",status="200"}' in text
     assert "# TYPE gr_http_request_duration_seconds histogram" in text
-    assert 'gr_http_request_duration_seconds_bucket{route="/generate",le="+Inf"}' in text
+    assert 'gr_http_request_duration_seconds_bucket{le="+Inf",route="/generate"}' in text
     assert "# TYPE gr_generate_latency_seconds histogram" in text
     assert 'gr_generate_results_total{finish_reason="length"}' in text
     assert "# TYPE gr_requests_generated_tokens_total counter" in text

@@ -24,6 +24,7 @@ LONG = {"max_new_tokens": 64, "n": 64, "ignore_eos": True}
 
 FLAGS = ["--max-http-request-bytes", str(LIMIT), "--max-running-requests", "1"]
 FLAGS += ["--max-waiting-requests", "2", "--generate-timeout-s", "0.3", "--log-requests"]
+FLAGS += ["--log-format", "json"]
 ENV = {"GR_HTTP_API_KEY": KEY}
 
 
@@ -179,8 +180,12 @@ def test_healthy_after_everything(request, server):
 
 
 def test_one_log_line_per_request(srv):
-    """--log-requests: the real server's output has a JSON line for each request, its route too."""
+    """--log-requests: a `request` event per request through the server's JSON log formatter
+    (ts, level, logger like every other line), its route template too."""
     assert srv.proc.poll() is None
-    lines = [json.loads(x) for x in srv.log_text().splitlines() if x.startswith('{"method"')]
+    docs = [json.loads(x) for x in srv.log_text().splitlines() if x.startswith("{")]
+    lines = [x for x in docs if x.get("event") == "request"]
+    assert lines and all(x["logger"] == "grctl.access" and x["level"] == "INFO" for x in lines)
+    assert all({"ts", "method", "path", "route", "status", "ms"} <= set(x) for x in lines)
     assert any(x["path"] == "/generate" and x["status"] == 413 for x in lines)
     assert any(x["route"] == "/poll/{request_id}" for x in lines)

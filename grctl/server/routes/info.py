@@ -24,7 +24,6 @@ from grctl.protocol.info import (
     ServerInfo,
     StrictFlushCacheResponse,
 )
-from grctl.server.metrics import numeric_gauges, split_series
 from grctl.server.offload import offload
 from grctl.server.params import seconds
 
@@ -72,13 +71,8 @@ async def status(state: State) -> dict[str, Any]:
     summary="Prometheus text format",
 )
 async def metrics(state: State) -> str:
-    engine = state.engine
-    weights = state.updater.versions.as_dict()
-    weights.pop("label_counts")  # labels are free text, not metric names
-    counters, gauges = split_series(numeric_gauges("gr", {**engine.status(), "weights": weights}))
-    gauges["gr_ready"] = float(not engine.ready_reasons())
-    gauges["gr_in_flight_requests"] = float(engine.num_in_flight())
-    return state.metrics.render(gauges, counters)
+    # the engine's families are read under its lock at scrape time: off the loop
+    return await offload(state, state.metrics.render)
 
 
 WILDCARD_HOSTS = ("", "0.0.0.0", "::")
