@@ -50,6 +50,9 @@ class ServeConfig:
     )
     served_model_name: str | None = knob(None, "Name to report; default: the path.", "Model")
     router_url: str | None = knob(None, "sglang-router to join (leave at exit).", "HTTP")
+    router_check_interval: float = knob(
+        5.0, "Seconds between checks that the router still lists this server.", "HTTP", min=0.1
+    )
     torch_profiler_dir: str | None = knob(
         None,
         "Where /start_profile writes traces; default: temp dir.",

@@ -82,3 +82,6 @@ def configure(level: str = "info", fmt: str = "text") -> None:
         logger.handlers.clear()
         logger.setLevel(numeric)
         logger.propagate = True
+    # httpx logs every request at INFO: the router checks (server/router.py) would add a line
+    # every few seconds; they show at --log-level debug
+    logging.getLogger("httpx").setLevel(numeric if numeric <= logging.DEBUG else logging.WARNING)

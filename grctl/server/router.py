@@ -1,6 +1,7 @@
 """`grctl serve --router-url`: the replica checks the router (sglang-router or smg) answers before
-it starts, joins it once it listens and leaves it before it drains (the registry's routes:
-protocol/router.py)."""
+it starts, joins it once it listens, checks every --router-check-interval seconds that the router
+still lists it (joining again after a router restart, which forgets its workers) and leaves it
+before it drains (the registry's routes: protocol/router.py)."""
 
 from __future__ import annotations
 
@@ -73,6 +74,52 @@ def remove_worker(router_url: str, worker_url: str) -> bool:
     return bool(ids)
 
 
+def is_listed(router_url: str, worker_url: str) -> bool:
+    """Whether the router's worker list holds `worker_url`."""
+    resp = _call("GET", router_url, router.WORKERS)
+    if resp.status_code == 404:
+        resp = _call("GET", router_url, router.OLD_LIST_WORKERS)
+        return worker_url in _check(resp, "list workers").json().get("urls", [])
+    workers = _check(resp, "list workers").json().get("workers", [])
+    return any(w.get("url") == worker_url for w in workers)
+
+
+def keep_joined(config: ServeConfig, url: str, stop: threading.Event, joined: threading.Event):
+    """Join the router, then check every --router-check-interval seconds that it still lists
+    this server and join again when it does not (a restarted router has an empty list); an
+    unreachable router is logged once per outage and tried again at the next check."""
+    router_url, failing = config.router_url, False
+    while not stop.is_set():
+        try:
+            if not joined.is_set():
+                add_worker(router_url, url, config.api_key)
+                joined.set()
+                log.info("joined the router at %s as %s", router_url, url)
+            elif not is_listed(router_url, url):
+                add_worker(router_url, url, config.api_key)
+                log.warning(
+                    "the router at %s no longer listed this server (restarted?): joined it "
+                    "again as %s",
+                    router_url,
+                    url,
+                )
+            elif failing:
+                log.info("the router at %s answers again and lists this server", router_url)
+            failing = False
+        except Exception as exc:
+            if not stop.is_set() and not failing:
+                what = "check" if joined.is_set() else "join"
+                log.error(
+                    "could not %s the router at %s: %s (trying again every %g s)",
+                    what,
+                    router_url,
+                    exc,
+                    config.router_check_interval,
+                )
+            failing = True
+        stop.wait(config.router_check_interval)
+
+
 def advertised_url(config: ServeConfig) -> str:
     """The URL a router reaches this server at: a wildcard host is replaced by this host's name."""
     if config.host in ("0.0.0.0", "::", ""):
@@ -109,7 +156,7 @@ def wait_listening(config: ServeConfig, stop: threading.Event, timeout: float = 
 @asynccontextmanager
 async def router_membership(app: Litestar) -> AsyncIterator[None]:
     """With --router-url: check the router answers before the server starts, join it once the
-    server listens, leave before it drains."""
+    server listens and keep it joined (keep_joined), leave before it drains."""
     config = app.state.config
     if not config.router_url:
         yield
@@ -119,15 +166,13 @@ async def router_membership(app: Litestar) -> AsyncIterator[None]:
     stop, joined = threading.Event(), threading.Event()
 
     async def join() -> None:
-        try:
-            if not await to_thread.run_sync(wait_listening, config, stop):
-                raise RouterError("this server never answered its own /health")
-            await to_thread.run_sync(add_worker, config.router_url, url, config.api_key)
-            joined.set()
-            log.info("joined the router at %s as %s", config.router_url, url)
-        except Exception as exc:
-            if not stop.is_set():
-                log.error("could not join the router at %s: %s", config.router_url, exc)
+        if await to_thread.run_sync(wait_listening, config, stop):
+            await to_thread.run_sync(keep_joined, config, url, stop, joined)
+        elif not stop.is_set():
+            log.error(
+                "could not join the router at %s: this server never answered its own /health",
+                config.router_url,
+            )
 
     task = asyncio.ensure_future(join())
     try:

@@ -4,8 +4,8 @@ Two replicas join a real router with --router-url; /generate goes through the ro
 fleet push finds the replicas from the router's worker list and syncs them. Every answer that
 comes back 200 is checked against transformers' greedy output of the version it names (an
 answer ended by the push's pause must be a prefix of it); the only other answer allowed is the
-pause's 503. A replica that stops leaves the router's list. Skipped when sglang_router is not
-installed.
+pause's 503. A replica that stops leaves the router's list; one whose router restarts (and
+forgets its workers) joins it again. Skipped when sglang_router is not installed.
 """
 
 from __future__ import annotations
@@ -31,11 +31,12 @@ NEW_TOKENS = 4
 
 
 @contextmanager
-def running_router(log_path):
-    port = free_port()
+def running_router(log_path, port: int | None = None):
+    port = port or free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1"]
     cmd += ["--port", str(port), "--policy", "round_robin", "--log-level", "warn"]
+    cmd += ["--prometheus-port", str(free_port())]  # not the shared default 29000
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -134,3 +135,28 @@ def test_fleet_push_through_the_router_under_traffic(tmp_path, tiny_checkpoint, 
             "the stopped replica to leave the router",
         )
         assert "left the router" in replicas[0].log_text()
+
+
+def test_a_replica_joins_a_restarted_router_again(tmp_path, tiny_checkpoint):
+    """sglang-router keeps its worker list in memory: after a restart it lists nobody, and the
+    replica, checking every --router-check-interval, registers again and says so in its log."""
+    port = free_port()
+    flags = ("--model-path", str(tiny_checkpoint), "--router-check-interval", "0.5")
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": NEW_TOKENS}}
+    want = hf_generate(tiny_checkpoint, PROMPT, NEW_TOKENS)
+    with ExitStack() as stack:
+        with running_router(tmp_path / "router1.log", port) as router:
+            replica = stack.enter_context(running_server(*flags, "--router-url", router))
+            wait_for(lambda: healthy_urls(router) == {replica.url}, 60, "the replica registered")
+        # the router is gone: the replica serves on and logs the outage once
+        wait_for(lambda: "could not check the router" in replica.log_text(), 30, "the outage")
+        with running_router(tmp_path / "router2.log", port) as router:
+            wait_for(lambda: healthy_urls(router) == {replica.url}, 60, "the replica re-joined")
+            with httpx.Client(base_url=router, timeout=60) as http:
+                resp = http.post("/generate", json=body)
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["output_ids"] == want
+            log = replica.log_text()
+        assert "no longer listed this server" in log and "joined it again" in log, log[-3000:]
+        assert log.count("could not check the router") == 1, log  # once per outage
+        assert "httpx" not in log  # the checks themselves are not logged
