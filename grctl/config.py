@@ -26,7 +26,8 @@ class ServeConfig:
     port: int = knob(8000, "Port to listen on.", "HTTP", min=1)
     api_key: str | None = knob(
         None,
-        "Key required (X-GR-API-Key or Bearer) on all but /health, /ready.",
+        "Key required (X-GR-API-Key or Bearer) on every route but /health, /ready, /docs, "
+        "/openapi.json and /metrics (unless --metrics-auth).",
         "HTTP",
         old_env=("GR_HTTP_API_KEY",),
     )

@@ -99,10 +99,10 @@ def run_validate(path: str, vocab_size: int | None, model_path: Path | None) -> 
     from grctl.catalog.loader import read_catalog
     from grctl.catalog.trie import Trie
 
-    if vocab_size is None and model_path is not None:
-        vocab_size = vocab_of(model_path)
     report: dict[str, Any] = {"path": path, "ok": False, "vocab_size": vocab_size}
     try:
+        if vocab_size is None and model_path is not None:  # a bad --model-path: the report's error
+            report["vocab_size"] = vocab_size = vocab_of(model_path)
         rows = read_catalog(path)
     except ValidationError as exc:
         report["error"] = str(exc)

@@ -46,6 +46,9 @@ def test_validate_counts_depths_collisions_and_shadowed(tmp_path):
     (tmp_path / "model" / "config.json").write_text(json.dumps({"vocab_size": 9}))
     code, report = validate(str(path), "--model-path", str(tmp_path / "model"))
     assert code == 1 and report["vocab_size"] == 9
+    # a --model-path without config.json: the JSON report says so (it printed nothing)
+    code, report = validate(str(path), "--model-path", str(tmp_path / "nowhere"))
+    assert code == 1 and report["ok"] is False and "config.json" in report["error"], report
 
 
 @pytest.mark.parametrize(
