@@ -7,8 +7,10 @@ aborted at the signal (GrctlServer), since they could never finish.
 
 from __future__ import annotations
 
+import errno
 import gc
 import logging
+import socket
 import threading
 
 import torch
@@ -17,6 +19,7 @@ import uvicorn
 from grctl import threads
 from grctl.config import ServeConfig
 from grctl.engine.engine import Engine
+from grctl.errors import GrctlError
 from grctl.model.builtin import DEFAULT_MODEL_NAME
 from grctl.model.dtypes import name_of
 from grctl.server import logs
@@ -41,6 +44,7 @@ def serve(config: ServeConfig) -> None:
     faults.install_from_env()  # test hooks: nothing unless a GRCTL_FAULT_* variable is set
     engine = build_engine(config)
     app = create_app(engine, config)
+    check_port_free(config.host, config.port)  # before "serving ... at": the port is free
     if config.catalog is not None:
         catalog = engine.catalogs.load(
             config.catalog,
@@ -77,7 +81,29 @@ def serve(config: ServeConfig) -> None:
     # first request's latency)
     gc.collect()
     gc.freeze()
-    GrctlServer(uv_config, engine).run()
+    server = GrctlServer(uv_config, engine)
+    server.run()
+    if not server.started:  # uvicorn logged why (a port taken since the check) and gave up
+        raise GrctlError(f"the server at {config.url} did not start (see the log above)")
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Bind the address as uvicorn will (SO_REUSEADDR), so a port another server listens on is
+    one clear error (the CLI's red line, exit 1) instead of uvicorn's exit 3 after start-up."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as exc:
+        raise GrctlError(f"cannot listen on {host}:{port}: {exc}", hint="check --host") from None
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            taken = exc.errno == errno.EADDRINUSE
+            raise GrctlError(
+                f"cannot listen on {host}:{port}: " + ("the port is taken" if taken else str(exc)),
+                hint="choose another --port, or stop what listens there",
+            ) from None
 
 
 class GrctlServer(uvicorn.Server):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +19,7 @@ from grctl.config import ServeConfig
 from grctl.engine.config import EngineConfig
 from grctl.errors import ValidationError
 from grctl.knobs import env_name, flag_name, knobs_of
+from tests.support.cli import cli_env
 from tests.support.serverproc import running_server
 
 ENGINE_FIELDS = {f.name for f, _ in knobs_of(EngineConfig)}
@@ -150,6 +152,25 @@ def test_bad_flag_is_one_red_line():
     )
     assert proc.returncode == 1
     assert "unsupported dtype 'int8'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_taken_port_is_one_red_line_and_exit_1():
+    """uvicorn found the port taken only after start-up and exited 3 without an error line."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "grctl", "serve", "--device", "cpu", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=cli_env(),
+        )
+    assert proc.returncode == 1, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines == [f"error: cannot listen on 127.0.0.1:{port}: the port is taken (choose another "
+                     "--port, or stop what listens there)"], proc.stderr  # fmt: skip
 
 
 def test_context_longer_than_the_checkpoint_is_one_red_line():
