@@ -2,7 +2,8 @@
 comparison of every served tensor with a checkpoint's.
 
 Failures raise GrctlError (main() in app.py prints one red line, exit 1); a push stopped by
-Ctrl-C or SIGTERM exits 130 / 143 after naming what it left on each server.
+Ctrl-C, SIGTERM, SIGHUP or SIGQUIT exits 128 + the signal's number (130 / 143 / 129 / 131)
+after naming what it left on each server.
 """
 
 from __future__ import annotations
@@ -86,8 +87,9 @@ def run_push(
     urls, checkpoint: Path, *, verify: bool, api_key=None, as_json=False, verbose=False, **sync_kw
 ):
     """WeightSync with a progress bar, then the summary (also when it fails). Ctrl-C or
-    SIGTERM: each server's state and the command that finishes the job; exit 130 / 143."""
-    from grctl.client.outcome import SyncError, SyncInterrupted, Terminated
+    SIGTERM, SIGHUP or SIGQUIT: each server's state and the command that finishes the job;
+    exit 128 + the signal's number (130 for Ctrl-C, 143 for SIGTERM)."""
+    from grctl.client.outcome import SyncError, SyncInterrupted, Terminated, exit_code
     from grctl.client.sync import WeightSync
 
     version, token_step = sync_kw.pop("weight_version", None), sync_kw.pop("token_step", None)
@@ -104,7 +106,7 @@ def run_push(
     try:
         with command_output("push", as_json) as out:
             with (
-                on_sigterm(Terminated),
+                on_stop_signals(Terminated),
                 report.push_progress(err_console, transport) as on_progress,
                 WeightSync(
                     urls,  # None: DEFAULT_URL, unless a router names the servers
@@ -136,10 +138,10 @@ def run_push(
                     error = {"code": "interrupted", "message": str(exc), "retryable": True}
                     doc = {"ok": False, "error": error, "result": sync_doc(stopped, finish)}
                     out.emit(doc, human=tell)
-                    raise typer.Exit(143 if stopped.interrupted_by == "SIGTERM" else 130) from None
+                    raise typer.Exit(exit_code(stopped.interrupted_by)) from None
             out.emit({"ok": True, "result": sync_doc(result, finish)}, human=lambda: show(result))
     except KeyboardInterrupt as exc:  # before WeightSync started: nothing was paused
-        raise typer.Exit(143 if isinstance(exc, Terminated) else 130) from None
+        raise typer.Exit(128 + getattr(exc, "signum", signal.SIGINT)) from None
     return result
 
 
@@ -173,22 +175,36 @@ def finish_command(checkpoint, transport, sync_kw, version, token_step, api_key,
     return lambda url: shlex.join([*args, "--url", url]) + tail
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+
 @contextmanager
-def on_sigterm(exc_type: type[BaseException]) -> Iterator[None]:
-    """SIGTERM raises `exc_type` in the main thread (as Ctrl-C raises KeyboardInterrupt), so a
-    push stops through the same path; the previous handler comes back after."""
+def on_stop_signals(exc_type: type[BaseException]) -> Iterator[None]:
+    """In the main thread, Ctrl-C raises KeyboardInterrupt and SIGTERM, SIGHUP (a closed
+    terminal, whose default action killed the push mid-pause and left the server paused) and
+    SIGQUIT raise `exc_type(signum)`, so a push stops through one path whatever stopped it.
+    Only the first signal raises: the ones after it, while the push winds down (waits for the
+    bucket in flight, resumes what it may, prints what it left and the command that finishes
+    the job), are ignored, so a second Ctrl-C cannot cut the report short; after a stop they
+    stay ignored while the process exits (torch's exit hooks, interrupted, print a traceback
+    under the report). Without a stop the previous handlers come back after."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    stopping: list[int] = []
 
     def handler(signum, frame):
-        raise exc_type()
+        if stopping:
+            return
+        stopping.append(signum)
+        raise KeyboardInterrupt() if signum == signal.SIGINT else exc_type(signum)
 
-    previous = signal.signal(signal.SIGTERM, handler)
+    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler_before in previous.items():
+            signal.signal(sig, signal.SIG_IGN if stopping else handler_before)
 
 
 def push(

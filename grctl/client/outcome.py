@@ -9,6 +9,7 @@ resumed, whatever stopped the sync (an error, Ctrl-C, SIGTERM).
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass, field
 
 from grctl.errors import GrctlError, Unauthorized
@@ -114,7 +115,7 @@ class SyncResult:
     num_buckets: int = 0
     num_bytes: int = 0
     timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds, fleet-wide
-    interrupted_by: str | None = None  # "SIGINT" or "SIGTERM" when a signal stopped the sync
+    interrupted_by: str | None = None  # "SIGINT", "SIGTERM", "SIGHUP" or "SIGQUIT": what stopped it
 
     @property
     def ok(self) -> bool:
@@ -147,7 +148,22 @@ class SyncError(GrctlError):
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised by the CLI's handler so a push stops the way Ctrl-C stops it."""
+    """SIGTERM (or SIGHUP, SIGQUIT: a closed terminal, Ctrl-\\), raised by the CLI's handler so
+    a push stops the way Ctrl-C stops it."""
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = int(signum)
+
+
+def stopped_by(exc: KeyboardInterrupt) -> str:
+    """The signal's name for SyncResult.interrupted_by: a Terminated's own, else SIGINT."""
+    return signal.Signals(exc.signum).name if isinstance(exc, Terminated) else "SIGINT"
+
+
+def exit_code(interrupted_by: str | None) -> int:
+    """A shell's code for a process its signal stopped: 128 + the signal's number."""
+    return 128 + int(signal.Signals[interrupted_by or "SIGINT"])
 
 
 class SyncInterrupted(KeyboardInterrupt):

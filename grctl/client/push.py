@@ -13,7 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from grctl.client import devices, sources, staging
-from grctl.client.outcome import ServerOutcome, SyncError, SyncInterrupted, SyncResult, Terminated
+from grctl.client.outcome import ServerOutcome, SyncError, SyncInterrupted, SyncResult, stopped_by
 from grctl.client.pipeline import PushOptions, Target, push_buckets
 from grctl.client.preflight import check_covers
 from grctl.client.verify import dtype_of
@@ -69,7 +69,7 @@ def push_tensors(
                 except Exception as exc:
                     out.fail("push", exc)
     except KeyboardInterrupt as exc:
-        result.interrupted_by = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
+        result.interrupted_by = stopped_by(exc)
         raise SyncInterrupted(result) from exc
     finally:
         if src is not named_tensors:

@@ -41,7 +41,7 @@ from grctl.client.outcome import (
     SyncError,
     SyncInterrupted,
     SyncResult,
-    Terminated,
+    stopped_by,
 )
 from grctl.client.pipeline import PushOptions, Target, is_refusal, push_buckets
 from grctl.client.preflight import check_covers
@@ -167,7 +167,7 @@ class WeightSync:
             except KeyboardInterrupt as exc:  # before the pause or after the resume
                 if isinstance(exc, SyncInterrupted):
                     raise
-                result.interrupted_by = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
+                result.interrupted_by = stopped_by(exc)
                 raise SyncInterrupted(result) from exc
         finally:
             if src is not None and src is not source:  # a caller's own source stays open
@@ -198,7 +198,7 @@ class WeightSync:
                     out.fail("push" if out.num_buckets else "pause", f"stopped: {exc!r}")
             self._finish(result, planned)
             if isinstance(exc, KeyboardInterrupt):
-                result.interrupted_by = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
+                result.interrupted_by = stopped_by(exc)
                 raise SyncInterrupted(result) from exc
             raise
         self._finish(result, planned)

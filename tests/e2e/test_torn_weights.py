@@ -10,6 +10,7 @@ weights_mixed (409 on /continue_generation) until the rest arrives or an operato
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -130,9 +131,11 @@ def pauses(http: httpx.Client) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-def push_and_signal(srv, http, ckpts, after: int, sig: int, tmp_path: Path):
+def push_and_signal(srv, http, ckpts, after: int, sig: int, tmp_path: Path, again_every=None):
     """`grctl push` of B, hit by `sig` once the server has taken `after` buckets (0: once it
-    is paused). Returns (exit code, output, the update count before the push)."""
+    is paused), and by `sig` again every `again_every` seconds until it exits (a user pressing
+    Ctrl-C again while the push winds down). Returns (exit code, output, the update count
+    before the push)."""
     base = versions(http)["weight_update_count"]
     out_path = tmp_path / "push.out"
     with open(out_path, "w") as out:
@@ -153,6 +156,11 @@ def push_and_signal(srv, http, ckpts, after: int, sig: int, tmp_path: Path):
             time.sleep(0.005)
         assert proc.poll() is None, out_path.read_text()
         proc.send_signal(sig)
+        deadline = time.monotonic() + 120
+        while again_every and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(again_every)
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(sig)
         code = proc.wait(120)
     finally:
         if proc.poll() is None:
@@ -214,6 +222,56 @@ def test_push_interrupted_right_after_the_pause(srv, http, ckpts, tmp_path):
     else:
         assert_mixed(http)
         check_answers(http, ckpts)
+
+
+@pytest.mark.parametrize(
+    ("sig", "after"),
+    [
+        pytest.param(signal.SIGHUP, 0, id="sighup-paused"),
+        pytest.param(signal.SIGHUP, 5, marks=pytest.mark.slow, id="sighup-after-5"),
+        pytest.param(signal.SIGQUIT, 0, marks=pytest.mark.slow, id="sigquit-paused"),
+        pytest.param(signal.SIGQUIT, 5, id="sigquit-after-5"),
+    ],
+)
+def test_sighup_and_sigquit_stop_a_push_as_sigterm_does(srv, http, ckpts, tmp_path, sig, after):
+    """A closed terminal (SIGHUP) or Ctrl-\\ (SIGQUIT) during the push: it killed the push at
+    once, leaving the server paused with nothing said. Now it stops as SIGTERM does: exit
+    128 + the signal, the state left on the server and the command that finishes the job."""
+    code, output, base = push_and_signal(srv, http, ckpts, after, sig, tmp_path)
+    name = signal.Signals(sig).name
+    assert code == 128 + sig, output
+    assert f"push interrupted ({name})" in output, output
+    found = re.search(r"(paused|resumed), (\d+) of (\d+) buckets applied", output)
+    assert found, output
+    applied = int(found.group(2))
+    assert versions(http)["weight_update_count"] - base == applied
+    if applied == 0:  # nothing new: resumed, serving A
+        assert found.group(1) == "resumed" and http.get("/ready").status_code == 200, output
+        assert check_answers(http, ckpts) == [200] * len(PROMPTS)
+    else:
+        assert found.group(1) == "paused" and "to finish: grctl push" in output, output
+        assert_mixed(http)
+        check_answers(http, ckpts)
+
+
+@pytest.mark.parametrize("after", [pytest.param(0, marks=pytest.mark.slow), 5])
+def test_ctrl_c_pressed_again_never_cuts_the_report_short(srv, http, ckpts, tmp_path, after):
+    """Ctrl-C, then Ctrl-C every 20 ms while the push winds down: the later ones used to raise
+    in the middle of resuming the servers or of the report, killing the push before it said
+    what it left (and, once partial, the command that finishes the job)."""
+    code, output, base = push_and_signal(srv, http, ckpts, after, signal.SIGINT, tmp_path, 0.02)
+    assert code == 130, output
+    assert "Traceback" not in output, output
+    assert "push interrupted (SIGINT)" in output, output
+    found = re.search(r"(paused|resumed), (\d+) of (\d+) buckets applied", output)
+    assert found, output
+    applied, total = int(found.group(2)), int(found.group(3))
+    assert versions(http)["weight_update_count"] - base == applied
+    if 0 < applied < total:
+        assert found.group(1) == "paused" and "to finish: grctl push" in output, output
+        assert_mixed(http)
+    elif applied == 0:
+        assert found.group(1) == "resumed" and http.get("/ready").status_code == 200, output
 
 
 @pytest.mark.parametrize("after", [5])
