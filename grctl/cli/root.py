@@ -31,7 +31,7 @@ app = typer.Typer(
     " --json (one JSON document on stdout); see docs/cli.md.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion [bash|zsh|fish|powershell]
 )
 # The order here is the order of `grctl --help` (groups after commands).
 for command in (
@@ -65,7 +65,11 @@ def root(
     version: Annotated[
         bool,
         typer.Option(
-            "--version", callback=show_version, is_eager=True, help="Print the version and exit."
+            "--version",
+            "-V",
+            callback=show_version,
+            is_eager=True,
+            help="Print the version and exit.",
         ),
     ] = False,
 ) -> None:
@@ -77,7 +81,7 @@ def main() -> None:
     2 usage, 130 interrupted. A GrctlError prints one red line (a traceback with
     GRCTL_DEBUG=1); with --json a usage error is also a JSON document on stdout."""
     try:
-        code = app(standalone_mode=False)
+        code = app(prog_name="grctl", standalone_mode=False)  # also under python -m grctl
     except ClickException as exc:  # usage errors: bad flag, bad value, missing option
         if "--json" in sys.argv[1:]:
             print_json(usage_error_doc(exc))

@@ -11,6 +11,7 @@ import typing
 from typing import Annotated, Any, Optional
 
 import typer
+from rich.markup import escape
 
 from grctl.config import ServeConfig
 from grctl.engine.config import EngineConfig
@@ -42,7 +43,7 @@ def serve_parameters() -> list[inspect.Parameter]:
         opt = typer.Option(
             *decls,
             envvar=env_names(f.name, k),
-            help=k.help,
+            help=escape(k.help),  # "[beams, vocab]" is text, not Rich markup
             rich_help_panel=k.panel,
             show_default=f.default is not None and annotation is not bool,
             show_envvar=False,  # SERVE_HELP states the rule once

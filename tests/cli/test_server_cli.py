@@ -19,7 +19,7 @@ from grctl.config import ServeConfig
 from grctl.engine.config import EngineConfig
 from grctl.errors import ValidationError
 from grctl.knobs import env_name, flag_name, knobs_of
-from tests.support.cli import cli_env
+from tests.support.cli import cli_env, grctl
 from tests.support.serverproc import running_server
 
 ENGINE_FIELDS = {f.name for f, _ in knobs_of(EngineConfig)}
@@ -152,6 +152,21 @@ def test_bad_flag_is_one_red_line():
     )
     assert proc.returncode == 1
     assert "unsupported dtype 'int8'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("command", [["serve"], ["push"], ["catalog", "rollback"]])
+def test_help_shows_bool_flags_as_flags_and_keeps_brackets(command):
+    out = grctl(*command, "--help")
+    assert out.returncode == 0, out.stderr
+    assert "<bool>" not in out.stdout, out.stdout  # typer 0.29 shows one beside every flag
+    if command == ["serve"]:
+        assert "--cuda-graph" in out.stdout and "[beams, vocab]" in out.stdout  # not eaten
+
+
+def test_short_version_and_shell_completion():
+    assert grctl("-V").stdout.strip() == grctl("--version").stdout.strip() != ""
+    out = grctl("--show-completion", "bash")
+    assert out.returncode == 0 and "_GRCTL_COMPLETE" in out.stdout, out.stdout + out.stderr
 
 
 def test_a_taken_port_is_one_red_line_and_exit_1():
