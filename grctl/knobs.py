@@ -6,14 +6,17 @@ Everything else is derived from that one declaration: the `grctl serve` flag is 
 with dashes (`--max-beam-width`), its environment variable is GR_<FLAG> (`GR_MAX_BEAM_WIDTH`),
 and the same bounds and choices are checked when the config is built, from flags or from Python.
 A bool that defaults to True also gets its off switch (`--no-cuda-graph`), or the off flags it
-names.
+names. An int knob named `*_bytes` takes a byte size on the command line and in GR_<FLAG>: an
+integer, or one with a suffix (`8GiB`, `512MiB`, `1.5GB`; parse_bytes).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 from grctl.errors import ValidationError
@@ -61,6 +64,33 @@ def env_name(field_name: str) -> str:
 def env_names(field_name: str, k: Knob) -> list[str]:
     """GR_<FLAG> first, then the old names this knob was read from."""
     return [env_name(field_name), *k.old_env]
+
+
+BYTE_UNITS = {
+    "": 1,
+    "b": 1,
+    **{p.lower() + "b": 1000**i for i, p in enumerate("KMGTP", 1)},
+    **{p.lower() + "ib": 1024**i for i, p in enumerate("KMGTP", 1)},
+}
+
+
+def is_bytes(field_name: str) -> bool:
+    """A knob whose value is a number of bytes (parse_bytes reads its flag)."""
+    return field_name.endswith("_bytes")
+
+
+def parse_bytes(text: object) -> int:
+    """A byte size: an integer, or a number with a suffix, KB/MB/GB/TB/PB (powers of 1000) or
+    KiB/MiB/GiB/TiB/PiB (powers of 1024), any case: "8GiB" -> 8589934592."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if unit not in BYTE_UNITS:
+        raise ValueError(
+            f"{text!r} is not a byte size: an integer, or one with a suffix (512MiB, 8GiB, 1.5GB)"
+        )
+    return int(Fraction(m.group(1)) * BYTE_UNITS[unit])
 
 
 def check_knobs(obj: Any) -> None:

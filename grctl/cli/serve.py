@@ -15,7 +15,7 @@ from rich.markup import escape
 
 from grctl.config import ServeConfig
 from grctl.engine.config import EngineConfig
-from grctl.knobs import PANELS, env_names, flag_name
+from grctl.knobs import PANELS, env_names, flag_name, is_bytes, parse_bytes
 
 OLD_ENV = sorted(name for _, k in ServeConfig.knobs() for name in k.old_env)
 SERVE_HELP = (
@@ -38,6 +38,7 @@ def serve_parameters() -> list[inspect.Parameter]:
             base = typing.get_args(base)[0]
         annotation: Any = Optional[base] if f.default is None else base
         decls = [flag]
+        sized = is_bytes(f.name) and base is int  # 8GiB as well as 8589934592
         if annotation is bool and f.default is True:
             decls = [flag] if k.off_flags else [f"{flag}/--no-{flag[2:]}"]
         opt = typer.Option(
@@ -47,8 +48,8 @@ def serve_parameters() -> list[inspect.Parameter]:
             rich_help_panel=k.panel,
             show_default=f.default is not None and annotation is not bool,
             show_envvar=False,  # SERVE_HELP states the rule once
-            metavar=METAVARS.get(base),
-            **({} if k.min is None else {"min": k.min}),
+            metavar="BYTES" if sized else METAVARS.get(base),
+            **({"parser": bytes_flag} if sized else {} if k.min is None else {"min": k.min}),
         )
         params.append(
             inspect.Parameter(
@@ -58,7 +59,7 @@ def serve_parameters() -> list[inspect.Parameter]:
                 annotation=Annotated[annotation, opt],
             )
         )
-        params += alias_parameters(f.name, k.aliases, base)
+        params += alias_parameters(f.name, k.aliases, base, sized)
         if k.off_flags:
             off = typer.Option(*k.off_flags, hidden=True)
             params.append(
@@ -76,14 +77,25 @@ ALIAS_PREFIX = "alias__"
 OFF_PREFIX = "off__"
 
 
-def alias_parameters(name: str, aliases: tuple[str, ...], base: Any) -> list[inspect.Parameter]:
+def bytes_flag(text: str) -> int:
+    """A byte-size flag's value (knobs.parse_bytes); a bad one is a usage error saying why."""
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+def alias_parameters(
+    name: str, aliases: tuple[str, ...], base: Any, sized: bool = False
+) -> list[inspect.Parameter]:
     """Each alias is a hidden option of its own, so --help shows the one name in full."""
+    kw: dict[str, Any] = {"parser": bytes_flag} if sized else {}
     return [
         inspect.Parameter(
             f"{ALIAS_PREFIX}{i}__{name}",
             inspect.Parameter.KEYWORD_ONLY,
             default=None,
-            annotation=Annotated[Optional[base], typer.Option(alias, hidden=True)],
+            annotation=Annotated[Optional[base], typer.Option(alias, hidden=True, **kw)],
         )
         for i, alias in enumerate(aliases)
     ]

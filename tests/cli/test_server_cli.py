@@ -119,6 +119,25 @@ def test_flags_and_env_build_the_config(captured):
     assert cfg.engine.model_path is None and cfg.url == "http://127.0.0.1:9123"
 
 
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [("8GiB", 8 << 30), ("512mib", 512 << 20), ("1.5GB", 1_500_000_000), ("4096", 4096)],
+)
+def test_byte_sizes_take_suffixes(captured, text, want):
+    result = CliRunner().invoke(app, ["serve", "--max-kv-bytes", text])
+    assert result.exit_code == 0, result.output
+    assert captured[0].engine.max_kv_bytes == want
+    result = CliRunner().invoke(app, ["serve"], env={"GR_MAX_CATALOG_BYTES": text})
+    assert result.exit_code == 0 and captured[1].max_catalog_bytes == want
+
+
+@pytest.mark.parametrize("text", ["8 parsecs", "GiB", "-1GiB", "1e9"])
+def test_a_bad_byte_size_is_a_usage_error(captured, text):
+    result = CliRunner().invoke(app, ["serve", "--max-kv-bytes", text])
+    assert result.exit_code == 2 and "not a byte size" in result.output, result.output
+    assert not captured
+
+
 def test_flag_beats_env_and_defaults(captured):
     result = CliRunner().invoke(app, ["serve", "--port", "8001"], env={"GR_PORT": "9000"})
     assert result.exit_code == 0 and captured[0].port == 8001
