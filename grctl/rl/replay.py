@@ -9,10 +9,14 @@ renormalised. A trainer needs the same quantity as a differentiable function of 
 
     log pi(y_t | x, y_<t) = z_t[y_t] - logsumexp_{v in K_t} z_t[v],   z_t = logits_t / T,
 
-K_t the kept set (catalog children, exclusions, filters). `CatalogReplay.logprobs` computes it
-for a batch, gathering each position's allowed tokens (at most the trie's widest fan-out) from
-the logits, so a 151k vocabulary costs no [batch, steps, vocab] mask. The kept set is chosen
-without gradient (as the sampler chose it); the gradient flows through the renormalisation.
+K_t the kept set (catalog children, exclusions, filters; before min_new_tokens, less the tokens
+that end a sequence: the stop ids, the model's EOS unless ignore_eos, which Filters.of is told).
+A resumed partial item (the prompt ends in one: item_prefix_len, or the catalog's own rule,
+catalog/resume.py) starts at its node, as the server's search does.
+`CatalogReplay.logprobs` computes it for a batch, gathering each position's allowed tokens (at
+most the trie's widest fan-out) from the logits, so a 151k vocabulary costs no [batch, steps,
+vocab] mask. The kept set is chosen without gradient (as the sampler chose it); the gradient
+flows through the renormalisation.
 Prompt tokens get the model's plain log_softmax (no temperature, no mask): what prompt scoring
 reports. Request-level logits processors (biases) are not replayed: add them to the logits.
 """
@@ -28,6 +32,7 @@ import torch
 from grctl.catalog import min_length
 from grctl.catalog.exclusions import excluded_nodes
 from grctl.catalog.loader import parse_catalog
+from grctl.catalog.resume import ROOT, ItemStart, item_start
 from grctl.catalog.store import Catalog, build_catalog
 from grctl.catalog.trie import Trie
 from grctl.errors import ValidationError
@@ -45,13 +50,22 @@ class Filters:
     min_p: float = 0.0
     min_new_tokens: int = 0
     exclude_item_ids: tuple[int | str, ...] = ()
+    # the tokens that end a sequence (masked before min_new_tokens): the request's
+    # stop_token_ids and the model's EOS ids, none with ignore_eos
+    stop_token_ids: tuple[int, ...] = ()
+    # the prompt's last k tokens begin the item (None: the catalog's rule, as the server's)
+    item_prefix_len: int | None = None
 
     @classmethod
-    def of(cls, sampling_params: dict) -> Filters:
+    def of(cls, sampling_params: dict, eos_token_ids: Sequence[int] = ()) -> Filters:
         """From a /generate body's sampling_params, as the server reads them: missing keys
         take its defaults (temperature 0: deterministic beams), and grctl's fields may also
-        sit in `custom_params` (the form a router that drops unknown fields passes on)."""
+        sit in `custom_params` (the form a router that drops unknown fields passes on).
+        eos_token_ids: the served model's (its config's eos_token_id), which end a sequence
+        unless ignore_eos."""
         sp = {**(sampling_params.get("custom_params") or {}), **sampling_params}
+        stops = () if sp.get("ignore_eos") else (*eos_token_ids, *(sp.get("stop_token_ids") or ()))
+        pinned = sp.get("item_prefix_len")
         return cls(
             temperature=float(sp.get("temperature") or 0.0),
             top_k=int(sp.get("top_k", -1)),
@@ -59,6 +73,8 @@ class Filters:
             min_p=float(sp.get("min_p", 0.0)),
             min_new_tokens=int(sp.get("min_new_tokens", 0)),
             exclude_item_ids=tuple(sp.get("exclude_item_ids") or ()),
+            stop_token_ids=tuple(dict.fromkeys(int(t) for t in stops)),
+            item_prefix_len=None if pinned is None else int(pinned),
         )
 
     @property
@@ -107,27 +123,44 @@ class CatalogReplay:
             self._banned[key] = excluded_nodes(self.catalog, tuple(ids), min_depth)
         return self._banned[key]
 
+    def starts(
+        self, prompts: Sequence[Sequence[int]] | None, filters: Sequence[Filters]
+    ) -> list[ItemStart]:
+        """Where each output's item starts: the root, or inside the partial item its prompt
+        ends with (item_prefix_len, or the catalog's own rule), as the server decides."""
+        if prompts is None:
+            return [ROOT] * len(filters)
+        trie = self.catalog.trie
+        pairs = zip(prompts, filters, strict=True)
+        return [item_start(trie, p, f.item_prefix_len) for p, f in pairs]
+
     def supports(
-        self, outputs: Sequence[Sequence[int]], filters: Sequence[Filters]
+        self,
+        outputs: Sequence[Sequence[int]],
+        filters: Sequence[Filters],
+        prompts: Sequence[Sequence[int]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each output position's allowed tokens before the filters: tokens [B, T, W] and valid
-        [B, T, W] (W: the widest fan-out met), and the chosen token's column [B, T]. Raises
-        ValidationError for a token the catalog (or an exclusion) did not allow there."""
+        [B, T, W] (W: the widest fan-out met), and the chosen token's column [B, T]; with the
+        prompts, a resumed partial item continues from its node. Raises ValidationError for a
+        token the catalog (or an exclusion) did not allow there."""
         trie = self.catalog.trie
         b, steps = len(outputs), max((len(o) for o in outputs), default=0)
-        widths = [trie.width(t) for t in range(steps)]
+        start = self.starts(prompts, filters)
+        depth0 = [s.depth for s in start]
+        widths = [max((trie.width(d + t) for d in set(depth0)), default=1) for t in range(steps)]
         width = max(widths, default=1)
         tokens = torch.zeros(b, steps, width, dtype=torch.int64)
         valid = torch.zeros(b, steps, width, dtype=torch.bool)
         col = torch.zeros(b, steps, dtype=torch.int64)
         valid[:, :, 0] = True  # padding: one finite entry, so no NaN reaches a gradient
-        nodes = torch.zeros(b, dtype=torch.int64)
+        nodes = torch.tensor([s.node for s in start], dtype=torch.int64)
         alive = torch.ones(b, dtype=torch.bool)
         banned = [
-            torch.from_numpy(self._banned_nodes(f.exclude_item_ids, f.min_new_tokens))
+            torch.from_numpy(self._banned_nodes(f.exclude_item_ids, d + f.min_new_tokens))
             if f.exclude_item_ids
             else None
-            for f in filters
+            for f, d in zip(filters, depth0, strict=True)
         ]
         deepest = min_length.deepest(trie) if any(f.min_new_tokens for f in filters) else None
         for t in range(steps):
@@ -143,8 +176,11 @@ class CatalogReplay:
             for j, r in enumerate(rows.tolist()):
                 if banned[r] is not None:
                     ok[j] &= ~torch.isin(child[j], banned[r])
-                if t + 1 < filters[r].min_new_tokens:  # prefixes whose items all end too soon
-                    ok[j] &= deepest[child[j]] >= filters[r].min_new_tokens
+                f = filters[r]
+                if t + 1 < f.min_new_tokens:  # prefixes whose items all end too soon
+                    ok[j] &= deepest[child[j]] >= depth0[r] + f.min_new_tokens
+                if t < f.min_new_tokens and f.stop_token_ids:  # no stop token yet
+                    ok[j] &= ~torch.isin(tok[j], torch.tensor(f.stop_token_ids))
             chosen = torch.tensor([outputs[r][t] for r in rows.tolist()])
             hit = ok & (tok == chosen[:, None])
             missing = torch.nonzero(~hit.any(-1)).flatten()
@@ -193,8 +229,11 @@ class CatalogReplay:
         if self.catalog is None:
             chosen = torch.tensor([list(o) + [0] * (steps - len(o)) for o in outputs])
             xr, valid, col = z, torch.ones_like(z, dtype=torch.bool), chosen.to(dev)
+            for i, f in enumerate(per):  # before min_new_tokens no token ends the sequence
+                if f.min_new_tokens and f.stop_token_ids:
+                    valid[i, : f.min_new_tokens, list(f.stop_token_ids)] = False
         else:
-            tokens, valid, col = (t.to(dev) for t in self.supports(outputs, per))
+            tokens, valid, col = (t.to(dev) for t in self.supports(outputs, per, prompts))
             xr = z.gather(-1, tokens)
         lp = torch.log_softmax((xr / tau).masked_fill(~valid, NEG_INF), dim=-1)
         with torch.no_grad():

@@ -138,3 +138,59 @@ def test_estimators_on_served_beams_find_the_exact_expected_reward(srv, model, r
         assert abs(mean - exact) < 3 * se, (name, figures, exact)
     mean, se = figures["plain"]
     assert abs(mean - exact) > 10 * se, (figures, exact)
+
+
+def served_and_replayed(srv, model, replay, prompt, sp):
+    with GRClient(srv.url) as gr:
+        reply = gr.generate(prompt, sp, return_logprob=True)
+    beams = reply.meta_info.beam_results
+    outputs = [list(b.output_ids) for b in beams]
+    return reply, beams, replayed(model, replay, prompt, outputs, Filters.of(sp))
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("pinned", [False, True])
+def test_replay_of_a_resumed_partial_item(srv, model, replay, items, k, pinned):
+    """The prompt ends in the first k tokens of an item (slime's partial rollout): the server
+    completes that item, found by the catalog's rule or pinned by item_prefix_len, and the
+    replay, told the same, starts at the same trie node."""
+    prompt = PROMPT + list(items[3][:k])
+    for sp in (
+        {"temperature": 1.0, "n": 3, "seed": 11, "max_new_tokens": 3},
+        {"temperature": 0.8, "top_k": 2, "n": 1, "seed": 12, "max_new_tokens": 3},
+        {"temperature": 0.0, "n": 2, "max_new_tokens": 3, "min_new_tokens": 3 - k},
+    ):
+        sp = {**sp, "item_prefix_len": k} if pinned else sp
+        reply, beams, got = served_and_replayed(srv, model, replay, prompt, sp)
+        assert reply.meta_info.item_prefix_len == k
+        for i, b in enumerate(beams):
+            assert tuple(items[3][:k]) + tuple(b.output_ids) in set(items)
+            served = [e[0] for e in b.meta_info.output_token_logprobs]
+            assert got.output[i, : len(served)].tolist() == pytest.approx(served, abs=1e-5)
+            assert got.sequence()[i].item() == pytest.approx(b.meta_info.sampling_logprob, abs=1e-5)
+
+
+def test_replay_without_a_catalog_masks_the_stop_ids_before_min_new_tokens(srv, model):
+    """use_catalog false: the whole vocabulary, and before min_new_tokens no stop token (the
+    server's own edit); a replay that ignored it would be off by log(1 - p(stop)) a token."""
+    free = CatalogReplay(None)
+    with GRClient(srv.url) as gr:
+        first = gr.generate(PROMPT, {"max_new_tokens": 1, "use_catalog": False})
+    stop = first.output_ids[0]  # the likeliest first token: a stop id with real mass
+    for sp in (
+        {"temperature": 1.0, "n": 1, "seed": 5},
+        {"temperature": 1.0, "n": 3, "seed": 6},
+        {"temperature": 0.0, "n": 2},
+    ):
+        sp = {**sp, "max_new_tokens": 4, "min_new_tokens": 3, "use_catalog": False}
+        sp["stop_token_ids"] = [stop]
+        _, beams, got = served_and_replayed(srv, model, free, PROMPT, sp)
+        outputs = [list(b.output_ids) for b in beams]
+        no_min = Filters.of({k: v for k, v in sp.items() if k != "min_new_tokens"})
+        unmasked = replayed(model, free, PROMPT, outputs, no_min)
+        for i, b in enumerate(beams):
+            assert stop not in b.output_ids[:3]
+            served = [e[0] for e in b.meta_info.output_token_logprobs]
+            assert got.output[i, : len(served)].tolist() == pytest.approx(served, abs=1e-5)
+            assert got.sequence()[i].item() == pytest.approx(b.meta_info.sampling_logprob, abs=1e-5)
+            assert abs(unmasked.output[i, 0].item() - served[0]) > 1e-3  # the mask matters
