@@ -55,7 +55,13 @@ class EngineConfig:
         aliases=("--enable-deterministic-inference",),  # SGLang's name
     )
     max_running_requests: int = knob(64, "Requests decoded together.", "Scheduling", min=1)
-    max_waiting_requests: int = knob(1024, "Queued requests before 429.", "Scheduling", min=1)
+    max_waiting_requests: int = knob(
+        1024,
+        "Queued requests before 429.",
+        "Scheduling",
+        min=1,
+        aliases=("--max-queued-requests",),  # SGLang's name, the same meaning
+    )
     max_context_len: int = knob(
         0,
         "Longest prompt + output, in tokens; 0: the checkpoint's max_position_embeddings, "
@@ -66,7 +72,13 @@ class EngineConfig:
     )
     max_beam_width: int = knob(256, "Largest n (beam width).", "Scheduling", min=1)
     max_new_tokens: int = knob(64, "Largest max_new_tokens a request may ask.", "Scheduling", min=1)
-    prefill_token_budget: int = knob(8192, "Prompt tokens prefilled per step.", "Scheduling", min=1)
+    prefill_token_budget: int = knob(
+        8192,
+        "Prompt tokens prefilled per step.",
+        "Scheduling",
+        min=1,
+        aliases=("--max-prefill-tokens",),  # SGLang's: a longer prompt is prefilled alone
+    )
     max_kv_bytes: int = knob(
         0,
         "Bytes running requests may hold (context KV, beam tails, a step's [beams, vocab] "

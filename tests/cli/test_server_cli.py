@@ -20,7 +20,7 @@ from grctl.engine.config import EngineConfig
 from grctl.errors import ValidationError
 from grctl.knobs import env_name, flag_name, knobs_of
 from tests.support.cli import cli_env, grctl
-from tests.support.serverproc import running_server
+from tests.support.serverproc import REPO_ROOT, running_server
 
 ENGINE_FIELDS = {f.name for f, _ in knobs_of(EngineConfig)}
 
@@ -136,6 +136,21 @@ def test_a_bad_byte_size_is_a_usage_error(captured, text):
     result = CliRunner().invoke(app, ["serve", "--max-kv-bytes", text])
     assert result.exit_code == 2 and "not a byte size" in result.output, result.output
     assert not captured
+
+
+def test_sglang_flag_names_set_the_same_knobs(captured):
+    args = ["serve", "--max-queued-requests", "77", "--max-prefill-tokens", "2048"]
+    args += ["--enable-deterministic-inference"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    engine = captured[0].engine
+    assert engine.max_waiting_requests == 77 and engine.prefill_token_budget == 2048
+    assert engine.deterministic_inference is True
+    # the aliases are documented beside grctl's names
+    doc = (REPO_ROOT / "docs" / "cli.md").read_text()
+    for sglang, ours in (("--max-queued-requests", "--max-waiting-requests"),
+                         ("--max-prefill-tokens", "--prefill-token-budget")):  # fmt: skip
+        assert f"| `{ours}` | `{sglang}` |" in doc
 
 
 def test_flag_beats_env_and_defaults(captured):
