@@ -101,8 +101,66 @@ def alias_parameters(
     ]
 
 
+CONFIG_NAME = "config_file"
+
+
+def config_parameter() -> inspect.Parameter:
+    opt = typer.Option(
+        "--config",
+        metavar="FILE",
+        is_eager=True,  # read first: its values become the other flags' defaults
+        callback=read_config,
+        help="YAML or TOML file of flags (keys: flag names); the command line and GR_<FLAG> win.",
+        rich_help_panel=PANELS[0],
+    )
+    return inspect.Parameter(
+        CONFIG_NAME,
+        inspect.Parameter.KEYWORD_ONLY,
+        default=None,
+        annotation=Annotated[Optional[str], opt],
+    )
+
+
+def read_config(ctx: typer.Context, path: str | None) -> str | None:
+    """Load --config FILE (.toml, else YAML) into the command's defaults: a key is a flag's
+    name with or without its dashes (`max-kv-bytes`, `max_kv_bytes`), a value what the flag
+    takes (`8GiB`, true)."""
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read()
+        if path.endswith(".toml"):
+            try:
+                import tomllib
+            except ModuleNotFoundError:  # Python 3.10
+                import tomli as tomllib
+            doc = tomllib.loads(raw.decode())
+        else:
+            import yaml
+
+            doc = yaml.safe_load(raw)
+    except Exception as exc:  # unreadable, or not TOML / YAML: say which and why
+        raise typer.BadParameter(f"cannot read {path}: {exc}", param_hint="--config") from None
+    if not isinstance(doc, dict):
+        raise typer.BadParameter(f"{path} must map flag names to values", param_hint="--config")
+    known = {f.name for f, _ in ServeConfig.knobs()}
+    defaults = {}
+    for key, value in doc.items():
+        name = str(key).removeprefix("--").replace("-", "_")
+        if name not in known:
+            raise typer.BadParameter(
+                f"{path}: unknown flag {key!r} (see grctl serve --help)", param_hint="--config"
+            )
+        defaults[name] = value
+    ctx.default_map = {**(ctx.default_map or {}), **defaults}
+    return path
+
+
 def serve(**values: Any) -> None:
     from grctl.server.serve import serve as run_server
+
+    values.pop(CONFIG_NAME, None)  # read into the defaults already (read_config)
 
     for key in [k for k in values if k.startswith(ALIAS_PREFIX)]:
         value = values.pop(key)
@@ -114,6 +172,6 @@ def serve(**values: Any) -> None:
     run_server(ServeConfig.from_flags(values))
 
 
-serve.__signature__ = inspect.Signature(serve_parameters())  # type: ignore[attr-defined]
+serve.__signature__ = inspect.Signature([config_parameter(), *serve_parameters()])  # type: ignore[attr-defined]
 serve.__annotations__ = {p.name: p.annotation for p in serve.__signature__.parameters.values()}
 serve.__doc__ = SERVE_HELP

@@ -153,6 +153,42 @@ def test_sglang_flag_names_set_the_same_knobs(captured):
         assert f"| `{ours}` | `{sglang}` |" in doc
 
 
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("serve.yaml", "max-kv-bytes: 8GiB\nport: 9191\ncuda_graph: false\nweight-version: v7\n"),
+        ("serve.toml", 'max-kv-bytes = "8GiB"\nport = 9191\ncuda_graph = false\n'
+                       'weight-version = "v7"\n'),
+    ],
+)  # fmt: skip
+def test_config_file_sets_flags_and_the_command_line_wins(captured, tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    result = CliRunner().invoke(app, ["serve", "--config", str(path)])
+    assert result.exit_code == 0, result.output
+    cfg = captured[0]
+    assert cfg.port == 9191 and cfg.engine.max_kv_bytes == 8 << 30
+    assert cfg.engine.cuda_graph is False and cfg.engine.weight_version == "v7"
+    result = CliRunner().invoke(
+        app, ["serve", "--config", str(path), "--port", "9000"], env={"GR_WEIGHT_VERSION": "e"}
+    )
+    assert result.exit_code == 0, result.output
+    assert captured[1].port == 9000 and captured[1].engine.weight_version == "e"
+    assert captured[1].engine.max_kv_bytes == 8 << 30
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [("max-kv-byte: 1\n", "unknown flag 'max-kv-byte'"), ("- 1\n", "must map flag names")],
+)
+def test_a_bad_config_file_is_a_usage_error(captured, tmp_path, text, needle):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    result = CliRunner().invoke(app, ["serve", "--config", str(path)], env={"COLUMNS": "250"})
+    assert result.exit_code == 2 and needle in result.output, result.output
+    assert not captured
+
+
 def test_flag_beats_env_and_defaults(captured):
     result = CliRunner().invoke(app, ["serve", "--port", "8001"], env={"GR_PORT": "9000"})
     assert result.exit_code == 0 and captured[0].port == 8001
