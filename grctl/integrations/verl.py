@@ -14,12 +14,17 @@ call to the grctl server the config names for that replica (docs/rl-integration.
     actor_rollout_ref.rollout.tensor_model_parallel_size=1      # one grctl server per device
     +actor_rollout_ref.rollout.custom.grctl.urls=[http://gpu-0:30001,http://gpu-1:30001]
     (or +actor_rollout_ref.rollout.custom.grctl.router=http://smg:30000, its workers in order)
+
+GRCTL_VERL_ROLLOUT_NAMES=two_stage (in every process's environment) serves a recipe's own
+rollout name from grctl too, and keeps it grctl's when the recipe registers its backend under
+that name later: verl-GR's OpenOneRec recipe unchanged, with rollout.name=two_stage.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -44,6 +49,7 @@ else:
 log = logging.getLogger("grctl.integrations.verl")
 NAME = "grctl"
 ADAPTER = "grctl.integrations.verl_weights.GrctlServerAdapter"
+PINNED_ENV = "GRCTL_VERL_ROLLOUT_NAMES"
 PAUSED_POLL_S = 0.2  # a request sent while paused waits for resume, as SGLang's does
 
 
@@ -238,14 +244,42 @@ class GrctlReplica(RolloutReplica):
         self._server_address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+class _Pinned(dict):
+    """A registry in which some names stay grctl's: a later registration of them is ignored."""
+
+    def __init__(self, entries: dict, pinned: frozenset):
+        super().__init__(entries)
+        self.pinned = pinned
+
+    def __setitem__(self, key, value) -> None:
+        name = key[0] if isinstance(key, tuple) else key
+        if name in self.pinned and key in self:
+            return
+        super().__setitem__(key, value)
+
+
+def pinned_names() -> frozenset:
+    """GRCTL_VERL_ROLLOUT_NAMES (comma-separated): rollout names served by grctl besides
+    "grctl", kept so when a recipe registers its own backend under them later (verl-GR's
+    OpenOneRec recipe registers its vLLM replica as "two_stage" in its prepare step)."""
+    raw = os.environ.get(PINNED_ENV, "")
+    return frozenset(n.strip() for n in raw.split(",") if n.strip())
+
+
 def register() -> None:
-    """Add "grctl" to verl's two rollout registries (at import, where verl is installed)."""
+    """Add "grctl" (and the GRCTL_VERL_ROLLOUT_NAMES) to verl's two rollout registries (at
+    import, where verl is installed)."""
     if MISSING is not None:
         raise ImportError(f"grctl's verl rollout needs verl (pip install verl): {MISSING}")
     from verl.workers.rollout import base
 
-    RolloutReplicaRegistry.register(NAME, lambda: GrctlReplica)
-    base._ROLLOUT_REGISTRY[(NAME, "async")] = ADAPTER
+    extra = pinned_names()
+    for name in (NAME, *sorted(extra)):
+        RolloutReplicaRegistry.register(name, lambda: GrctlReplica)
+        base._ROLLOUT_REGISTRY[(name, "async")] = ADAPTER
+    if extra:  # verl reads both dicts by name at call time: a pinned copy replaces each
+        RolloutReplicaRegistry._registry = _Pinned(RolloutReplicaRegistry._registry, extra)
+        base._ROLLOUT_REGISTRY = _Pinned(base._ROLLOUT_REGISTRY, extra)
 
 
 if MISSING is None:

@@ -214,3 +214,50 @@ def test_abort_clears_the_groups(verl_gr, srv, model):
     before, after = asyncio.run(sample_abort_resume_sample())
     assert after.extra_fields["_beam_group_id"] == before.extra_fields["_beam_group_id"]
     assert after.response_ids != before.response_ids  # sampled again, not the cached group
+
+
+REGISTRATION = """
+import sys, types
+import verl
+import grctl.integrations.verl
+from verl.workers.rollout import base
+from verl.workers.rollout.replica import RolloutReplicaRegistry
+sys.path.insert(0, sys.argv[1])
+# verl-GR's vLLM server module needs vllm, absent here: its replica class stands in
+fake = types.ModuleType("verl_gr.workers.rollout.two_stage_vllm_async")
+fake.TwoStagevLLMReplica = type("TwoStagevLLMReplica", (), {})
+sys.modules[fake.__name__] = fake
+from verl_gr.workers.rollout.two_stage_registration import (
+    register_two_stage_replica, register_two_stage_rollout_class)
+register_two_stage_replica()  # what verl-GR's OpenOneRec recipe runs in its prepare step
+register_two_stage_rollout_class()  # and its worker's init_model
+replica = RolloutReplicaRegistry.get("two_stage")
+print(replica.__name__, base._ROLLOUT_REGISTRY[("two_stage", "async")])
+"""
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_the_recipes_two_stage_name_stays_grctls(verl_gr, tmp_path, pinned):
+    """GRCTL_VERL_ROLLOUT_NAMES=two_stage: verl-GR's own registration of its vLLM replica and
+    rollout under "two_stage" leaves grctl's in place (without it, verl-GR's win)."""
+    import subprocess
+    import sys
+
+    from tests.support.cli import cli_env
+    from tests.support.peers import extract
+
+    extract(VERL_GR, "verl_gr", tmp_path)
+    env = cli_env({"GRCTL_VERL_ROLLOUT_NAMES": "two_stage" if pinned else ""})
+    done = subprocess.run(
+        [sys.executable, "-c", REGISTRATION, str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    replica, adapter = done.stdout.split()[-2:]
+    if pinned:
+        assert (replica, adapter) == (
+            "GrctlReplica",
+            "grctl.integrations.verl_weights.GrctlServerAdapter",
+        )
+    else:
+        assert replica == "TwoStagevLLMReplica" and adapter.startswith("verl_gr.")
