@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from grctl.engine import prompt_logprobs
+from grctl.engine import output_kv, prompt_logprobs
 from grctl.engine.decode_batch import DecodeItem
 from grctl.engine.kv_cache import BeamKV, ContextKV, chained
 from grctl.engine.model_runner import ModelRunner
@@ -40,6 +40,7 @@ class Executor:
     ):
         self.runner = runner
         self.cache = cache
+        self._tag = ""  # the step's prefix-cache tag (output_kv.keep)
         self.original_logprob = original_logprob  # the default of return_original_logprob
         self.mask_max_tokens = mask_max_tokens  # the widest support a sampling mask lists
         # deterministic inference: a context continuing cached parts is joined into one part
@@ -70,6 +71,7 @@ class Executor:
         self, prefill: list[Sequence], decode: list[Sequence], version: str, cache_tag: str = ""
     ) -> None:
         """One step. `version` labels the tokens; `cache_tag` keys the prefix cache."""
+        self._tag = cache_tag or version
         if prefill:
             self._prefill(prefill, version, cache_tag or version)
         decode = decode + [s for s in prefill if not s.is_done and id(s) not in self.culprits]
@@ -197,6 +199,7 @@ class Executor:
             return
         sp = seq.req.sampling
         seq.ctx, seq.beam_kv = self._context(ctx), self._beam_kv(sp.width, sp.max_new_tokens)
+        seq.kv_tag = self._tag  # the weights its KV was computed with (output_kv.keep)
 
     def _context(self, ctx: ContextKV) -> ContextKV:
         """A started request's context: with join_contexts, one part (a copy of its chain)."""
@@ -227,6 +230,7 @@ class Executor:
             self.runner.decode([DecodeItem(ctx, beam_kv, paths[:, t], t)])
         self.num_prefill_tokens += (steps - 1) * sp.width
         seq.ctx, seq.beam_kv = ctx, beam_kv  # only now: a failure above leaves it to recompute
+        seq.kv_tag = self._tag
         seq.kv_recomputed_at.append(steps)
 
     def _decode(self, seqs: list[Sequence], version: str) -> None:
@@ -252,10 +256,10 @@ class Executor:
             if id(seq) not in self.culprits:
                 self._alone(seq, self._decoded, seq, item.step, version)
 
-    @staticmethod
-    def _decoded(seq: Sequence, step: int, version: str) -> None:
+    def _decoded(self, seq: Sequence, step: int, version: str) -> None:
         seq.record_version(version)
         if seq.beams.is_done:
+            output_kv.keep(seq, self._tag)
             seq.release_kv()
         elif seq.num_beams > 1:
             seq.beam_kv.reorder(seq.beams.parents(), step + 1)

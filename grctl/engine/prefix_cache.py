@@ -227,10 +227,11 @@ class PrefixCache:
 
     # ---- inserts ------------------------------------------------------------------------
     def insert(
-        self, prompt: tuple[int, ...], ctx: ContextKV, logprobs: torch.Tensor, tag: str
+        self, prompt: tuple[int, ...], ctx: ContextKV, logprobs: torch.Tensor | None, tag: str
     ) -> None:
         """Keep a prefilled prompt: ctx holds the KV of all of its tokens, logprobs [vocab]
-        its last token's log-probabilities (copied: a row of a batch would hold the batch)."""
+        its last token's log-probabilities (copied: a row of a batch would hold the batch);
+        None: KV only, no exact-repeat entry (engine/output_kv.py)."""
         too_big = len(prompt) > self.max_tokens or ctx.nbytes > self.max_bytes
         if not self.enabled or too_big or not prompt:
             return
@@ -249,7 +250,7 @@ class PrefixCache:
                 self.num_bytes += leaf.nbytes
                 path.append((leaf, len(leaf.tokens)))
                 node = leaf
-            if node.logprobs is None:
+            if node.logprobs is None and logprobs is not None:
                 node.logprobs = logprobs.detach().clone()
                 self.num_bytes += _nbytes((node.logprobs,))
                 self.num_entries += 1

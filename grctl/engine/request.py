@@ -53,6 +53,8 @@ class GenerateRequest:
     # ids -> text, the server's tokenizer: what sampling.stop strings are matched against
     detokenize: Callable[[list[int]], str] | None = None
     text: TextOptions = TextOptions()
+    # width 1: keep its prompt + output KV in the prefix cache when it ends (engine/output_kv.py)
+    keep_output_kv: bool = False
 
 
 @dataclass

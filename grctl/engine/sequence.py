@@ -65,6 +65,8 @@ class Sequence:
         self.ctx: ContextKV | None = None
         self.beam_kv: BeamKV | None = None
         self.cached_tokens = 0
+        self.kept_kv = None  # engine/output_kv.py: its KV kept past its end, to be cached
+        self.kv_tag = ""  # the weights tag its KV was (re)computed under
         self.prefilled = False
         self.prompt_logprobs: PromptLogprobs | None = None  # logprob_start_len's scores
 

@@ -92,6 +92,7 @@ class Group:
             return_original_logprob=False,
             logprob_start_len=-1,
             detokenize=req.detokenize,
+            keep_output_kv=stage == 1,  # its item stage continues this sample's own KV
         )
 
 

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from grctl.engine import output_kv
 from grctl.engine.executor import Executor
 from grctl.engine.gate import Gate
 from grctl.engine.prefix_cache import weights_tag
@@ -218,7 +219,9 @@ class Worker:
             self._unbuilt.append((seq, self.gate.label, aborted))
             self.gate.notify()
         else:
-            self._store(seq.to_result(self.gate.label, aborted))
+            result = seq.to_result(self.gate.label, aborted)
+            output_kv.insert(self.executor.cache, seq, result.output_ids, result.finish_reason)
+            self._store(result)
 
     def build_results(self) -> None:
         """Build the results of the requests that ended, without the gate; each is put (and
@@ -230,6 +233,8 @@ class Worker:
             try:
                 result = seq.to_result(label, aborted)
                 nbytes = result_nbytes(result)  # sized off the gate too
+                # before it is stored: whoever it wakes may continue it (engine/stages.py)
+                output_kv.insert(self.executor.cache, seq, result.output_ids, result.finish_reason)
             except Exception as exc:  # a bug: the request ends without a result (404)
                 log.exception("building the result of %s failed", seq.request_id)
                 error = exc

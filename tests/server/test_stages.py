@@ -88,8 +88,9 @@ def test_every_behaviour_logprob_and_score_equal_transformers(served):
     for g in groups:
         ended = g["reasoning_ids"][-1] == STOP
         assert g["reasoning_finish_reason"] == ("stop" if ended else "length")
-        # the item stage prefilled the reasoning once for its beams, the prompt from cache
-        assert g["cached_tokens"] >= len(PROMPT) - 1
+        # the item stage continued the sample's own KV (all but the reasoning's last token,
+        # never fed), and prefilled the rest once for all its beams
+        assert g["cached_tokens"] == len(PROMPT) + len(g["reasoning_ids"]) - 1
 
 
 def test_equal_to_the_same_work_as_separate_requests(served):
