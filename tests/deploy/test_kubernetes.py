@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import threading
+import time
 
 import httpx
 import pytest
@@ -77,20 +78,21 @@ def test_the_probes_and_prestop_work_as_the_manifest_runs_them(tmp_path, tiny_ch
             reply: dict = {}
 
             def long_request() -> None:
-                # 16 beams of 60 tokens: long enough to be running when the hook starts
-                body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 60, "n": 16}}
+                # 64 beams of 60 tokens after a 400-token prompt: still running when the hook
+                # starts (the poll below checks it, every 10 ms)
+                prompt = [1 + i % 100 for i in range(400)]
+                body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 60, "n": 64}}
                 r = httpx.post(srv.url + "/generate", json=body, headers=headers, timeout=120)
                 reply.update(r.json())
 
             worker = threading.Thread(target=long_request)
             worker.start()
-            wait_for(
-                lambda: httpx.get(srv.url + "/v1/loads", headers=headers).json()["loads"][0][
-                    "num_running_reqs"
-                ],
-                30,
-                "the request running",
-            )
+            deadline, in_flight = time.monotonic() + 30, 0
+            while not in_flight and not reply and time.monotonic() < deadline:
+                load = httpx.get(srv.url + "/v1/loads", headers=headers).json()["loads"][0]
+                in_flight = load["num_running_reqs"] + load["num_waiting_reqs"]
+                time.sleep(0.01)
+            assert in_flight and not reply, f"the request ended before the hook: {reply}"
             # the preStop hook, with this server's pid for the container's PID 1
             hook = c["lifecycle"]["preStop"]["exec"]["command"]
             pid = str(srv.proc.pid)
