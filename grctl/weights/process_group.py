@@ -132,6 +132,9 @@ class GroupRegistry:
             ) from exc
         return group
 
+    def has(self, group_name: str) -> bool:
+        return group_name in self._groups
+
     def get(self, group_name: str) -> Group:
         group = self._groups.get(group_name)
         if group is None or group.pg is None:

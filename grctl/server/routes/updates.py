@@ -221,6 +221,8 @@ async def update_weights_from_distributed(
         options, refusal = update_options(state, body), None
     except GrctlError as exc:
         options, refusal = {}, exc
+    if refusal is not None and not groups(state).has(body.group_name):
+        raise refusal  # no such group: no broadcast to drain, the options' refusal says why
     outcome = await offload(
         state,
         distributed.update_from_distributed,
