@@ -940,12 +940,15 @@ def probe_root(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def probe(start_server, probe_root):
     """A server with everything a route may work on: a tokenizer and chat template, a
-    50,000-item catalog, weight, catalog and profile routes on."""
+    50,000-item catalog, weight, catalog and profile routes on, and a host copy of the weights
+    (the /resume_memory_occupation case releases them first: without a copy every later route
+    would answer 503 weights_discarded)."""
     w = probe_root / "weights"
     return start_server(
         *("--model-path", str(w / "base"), "--weights-root", str(w)),
         *("--catalog", str(w / "items.jsonl"), "--allow-catalog-reload"),
         *("--allow-weight-update", "--torch-profiler-dir", str(probe_root / "traces")),
+        "--enable-weights-cpu-backup",
     )
 
 
