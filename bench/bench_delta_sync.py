@@ -14,8 +14,11 @@ last left:
   /update_weights_from_disk (the server reads every byte);
 - full_push: GRClient.push_tensors of the new state (shared-memory buckets, every byte).
 
-Bytes moved: the delta's files against the model's bytes. After each delta, three tensors are
-read back and compared with the step's own tensors. Prints one JSON object.
+Bytes moved: the delta's files against the model's bytes. The floor (floor_of) is measured
+on the last delta's own bytes: xxh3-128 over the tensors it changes, one memcpy of its payload,
+zstd's decompression of it; `pull_over_floor` is the median pull over the checksum + memcpy.
+After each delta, three tensors are read back and compared with the step's own tensors.
+Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -67,6 +70,44 @@ def check_served(http: httpx.Client, state: dict) -> None:
         r = http.post("/get_weights_by_name", json={"name": name, "truncate_size": 10**6})
         got = torch.tensor(r.json()["parameter"], dtype=torch.float32)
         assert torch.equal(got, state[name].float()), f"{name} differs after the sync"
+
+
+def best_s(fn, repeats: int = 3) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def floor_of(state: dict, deltas: Path, version: int) -> dict:
+    """What a delta's apply cannot skip, on the last delta's own bytes: a checksum (xxh3-128,
+    the publisher's default) over every byte of the tensors it changes, one memcpy of its
+    payload bytes, and zstd's decompression of them (compressed here once, at level 3)."""
+    import numpy as np
+    import xxhash
+    import zstandard
+
+    from grctl.weights.delta import version_dir
+
+    f = version_dir(deltas, version) / "model-00000-of-00001.safetensors"
+    payload = np.concatenate([t.reshape(-1) for t in load_file(str(f)).values()])
+    packed = zstandard.ZstdCompressor(level=3).compress(payload.tobytes())
+    flat = [t.contiguous().view(torch.uint8).reshape(-1).numpy() for t in state.values()]
+    hash_s = best_s(lambda: [xxhash.xxh3_128(memoryview(b)).hexdigest() for b in flat])
+    copy_s = best_s(lambda: payload.copy())
+    unzstd_s = best_s(lambda: zstandard.ZstdDecompressor().decompress(packed))
+    nbytes = sum(b.size for b in flat)
+    return {
+        "xxh3_s": round(hash_s, 4),
+        "xxh3_gb_per_s": round(nbytes / hash_s / 1e9, 2),
+        "payload_memcpy_s": round(copy_s, 5),
+        "zstd_bytes": len(packed),
+        "zstd_decompress_s": round(unzstd_s, 4),
+        "zstd_decompress_gb_per_s": round(payload.size / unzstd_s / 1e9, 2),
+        "s": round(hash_s + copy_s, 4),  # uncompressed (the publisher's): checksum + copy
+    }
 
 
 def med(xs: list[float]) -> float:
@@ -143,6 +184,7 @@ def main() -> None:
                 client.push_tensors(state, weight_version=version, flush_cache=True)
                 runs["full_push"].append({"s": time.perf_counter() - t0, "bytes": nbytes})
                 check_served(http, state)
+            floor = floor_of(state, root / "deltas", stats.version)
     d = runs["delta"]
     out = {
         "model_bytes": nbytes,
@@ -158,6 +200,8 @@ def main() -> None:
         },
         "full_disk": {"bytes": nbytes, "s_median": med([r["s"] for r in runs["full_disk"]])},
         "full_push": {"bytes": nbytes, "s_median": med([r["s"] for r in runs["full_push"]])},
+        "floor": floor,
+        "pull_over_floor": round(med([r["pull_s"] for r in d]) / floor["s"], 2),
         "runs": runs,
     }
     print(json.dumps(out, indent=2))

@@ -19,10 +19,11 @@ or `zstd` where the zstandard package is installed. Checksums: `sha256`, `adler3
 `xxh3-128` where their packages are installed.
 
 Torn-sync rules: the delta names its base (`base_version`), and it is refused (409) unless the
-served weights all carry that label; every tensor is decoded into a copy of the served tensor
-and checked against its final-state checksum before anything is written, so a bad delta (a
-wrong base, a corrupt file, positions out of range) changes nothing. The new tensors then go
-through the one sink (apply.py) like any other source.
+served weights all carry that label; every tensor's delta is parsed and the state it makes is
+checked against its final-state checksum before anything is written (delta_patch.py: over the
+served bytes patched chunk by chunk, no copy of the tensor), so a bad delta (a wrong base, a
+corrupt file, positions out of range) changes nothing. The writes are planned by the one sink
+(apply.py) like any other source's, and write only the changed elements.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import numpy as np
 import torch
 
 from grctl.errors import Conflict, GrctlError, NotFound, ValidationError
-from grctl.weights import apply
+from grctl.weights import apply, delta_patch
 from grctl.weights.mapping import resolve
 
 if TYPE_CHECKING:
@@ -209,8 +210,9 @@ def same_version(a: object, b: object) -> bool:
 
 
 def plan_delta(updater: WeightUpdater, vdir: Path):
-    """Inside the update's turn: check the base, decode every tensor into a copy, verify it,
-    plan the writes. Returns (writes, new tensors by name); raises before any write."""
+    """Inside the update's turn: check the base, parse every tensor's delta and verify the
+    state it makes (delta_patch.py), plan the writes. Returns (writes, patches by name); raises
+    before any write."""
     index = read_index(vdir)
     meta = index["metadata"]
     versions = updater.versions
@@ -227,13 +229,15 @@ def plan_delta(updater: WeightUpdater, vdir: Path):
         )
     cfg, params = updater.model.config, apply.live_parameters(updater.model)
     algorithm, enc = str(meta.get("checksum_format")), meta["delta_encoding"]
-    new = each_tensor(
+    checksum(algorithm, np.zeros(0, np.uint8))  # an unknown or unavailable format: a 400
+    found = each_tensor(
         vdir,
         index,
         lambda st, sums, name: _apply_one(st, sums, name, enc, algorithm, meta, cfg, params),
     )
-    writes = apply.plan_against(cfg, params, apply.specs_of(new.items()), require_full=False)
-    return writes, new
+    views = {name: cur for name, (cur, _) in found.items()}
+    writes = apply.plan_against(cfg, params, apply.specs_of(views.items()), require_full=False)
+    return writes, {name: patch for name, (_, patch) in found.items()}
 
 
 def each_tensor(vdir: Path, index: dict, decode) -> dict:
@@ -261,32 +265,44 @@ def each_tensor(vdir: Path, index: dict, decode) -> dict:
     return out
 
 
-def _apply_one(st, sums, name, enc, algorithm, meta, cfg, params) -> torch.Tensor:
+def _apply_one(st, sums, name, enc, algorithm, meta, cfg, params):
+    """One tensor's delta parsed and checked against the served tensor it patches, without a
+    copy of it (delta_patch.py): (the live view, the patch)."""
     target = resolve(name, cfg)
     if target is None or target.param_name not in params:
         raise ValidationError(f"delta names {name!r}: not a tensor of the served model")
     param = params[target.param_name]
     cur = param[target.row_start : target.row_end] if target.is_shard else param
     base = cur.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy()
-    out = decoded(st, sums, name, enc, algorithm, meta, base, cur.element_size())
-    return torch.from_numpy(out).view(cur.dtype).reshape(cur.shape)
+    payload = payload_of(st, sums, name, meta, base.size)
+    patch = delta_patch.parse(name, enc, payload, base.size, cur.element_size())
+    delta_patch.check(name, algorithm, base, patch, sums[name])
+    return cur, patch
 
 
-def decoded(st, sums, name, enc, algorithm, meta, base: np.ndarray, width: int) -> np.ndarray:
-    """One tensor of an open delta file applied onto `base` (its current bytes) and checked
-    against its final-state checksum: the new bytes, or a 400/409 before anything is written."""
+def payload_of(st, sums, name, meta, nbytes: int) -> np.ndarray:
+    """One tensor's delta payload read from an open delta file and decompressed, after the
+    checks every encoding shares (a 1-D uint8 tensor, a size no delta of it exceeds, a
+    checksum of its new state present)."""
     if name not in st.keys():
         raise ValidationError(f"delta file has no tensor {name!r} its index names")
     sl = st.get_slice(name)
     if sl.get_dtype() not in ("U8", "u8", "uint8") or len(sl.get_shape()) != 1:
         raise ValidationError(f"delta of {name!r} must be a 1-D uint8 tensor")
-    if sl.get_shape()[0] > 4 + 5 * base.size:
+    if sl.get_shape()[0] > 4 + 5 * nbytes:
         raise ValidationError(f"delta of {name!r} is larger than any delta of its tensor")
-    limit, exact = 4 + 5 * base.size, (base.size if enc == "xor" else None)
-    payload = _decompress(name, meta.get("compression_format"), st.get_tensor(name), limit, exact)
-    out = decode(name, enc, payload, base, width)
     if name not in sums:
         raise ValidationError(f"delta of {name!r} carries no checksum of its new state")
+    enc = meta["delta_encoding"]
+    limit, exact = 4 + 5 * nbytes, (nbytes if enc == "xor" else None)
+    return _decompress(name, meta.get("compression_format"), st.get_tensor(name), limit, exact)
+
+
+def decoded(st, sums, name, enc, algorithm, meta, base: np.ndarray, width: int) -> np.ndarray:
+    """One tensor of an open delta file applied onto `base` (its current bytes) and checked
+    against its final-state checksum: the new bytes, or a 400/409 before anything is written."""
+    payload = payload_of(st, sums, name, meta, base.size)
+    out = decode(name, enc, payload, base, width)
     if checksum(algorithm, out) != sums[name]:
         raise Conflict(
             f"tensor {name!r} after the delta does not match its checksum: the delta was made "
@@ -299,15 +315,23 @@ def decoded(st, sums, name, enc, algorithm, meta, base: np.ndarray, width: int) 
 def update_from_delta(
     updater: WeightUpdater, vdir: Path, *, weight_version: str | None, **options
 ) -> UpdateOutcome:
-    """Apply one delta version through the updater (its turn, exclusive section, labels)."""
-    held: dict[str, torch.Tensor] = {}
+    """Apply one delta version through the updater (its turn, exclusive section, labels): every
+    tensor checked first, then only its changed elements written, in the pause."""
+    held: dict[str, delta_patch.Patch] = {}
 
     def validate():
-        writes, new = plan_delta(updater, vdir)
-        held.update(new)
+        writes, patches = plan_delta(updater, vdir)
+        held.update(patches)
         return writes
+
+    def write(name: str, dst: torch.Tensor) -> bool:
+        delta_patch.write(dst, held[name])
+        return True
+
+    def fetch(name: str) -> torch.Tensor:
+        raise AssertionError(f"{name!r}: a delta writes in place")  # write() takes every one
 
     # is_full: the delta's version is the whole model (the tensors it leaves are unchanged in it)
     return updater.run(
-        validate, held.__getitem__, weight_version=weight_version, is_full=True, **options
+        validate, fetch, read_into=write, weight_version=weight_version, is_full=True, **options
     )
