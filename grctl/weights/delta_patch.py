@@ -79,8 +79,9 @@ def _as_units(data: np.ndarray, width: int) -> np.ndarray:
     return data.reshape(-1, width)
 
 
-def _hasher(algorithm: str):
-    """An object with update(bytes) and hexdigest(), as delta.checksum computes it."""
+def hasher(algorithm: str):
+    """The checksum_format's hash: an object with update(bytes) and hexdigest() (the one
+    place a format names its library; delta.checksum is one update of it)."""
     if algorithm == "adler32":
         return _Adler32()
     if algorithm == "sha256":
@@ -122,7 +123,7 @@ class _Adler32:
 
 def checksum_after(algorithm: str, base: np.ndarray, patch: Patch) -> str:
     """The checksum of `base` (uint8) with `patch` applied, base left as it is."""
-    h = _hasher(algorithm)
+    h = hasher(algorithm)
     nbytes, w = base.size, patch.width
     step = max(w, CHUNK // w * w)
     buf = np.empty(min(step, nbytes), np.uint8)
