@@ -1,5 +1,8 @@
-"""`grctl demo`: the whole weight-sync loop against a real server, in well under a minute; and
-`grctl demo --rl`, an RL loop that learns through one (grctl/cli/rl/).
+"""`grctl demo`: the whole weight-sync loop against a real server, in well under a minute;
+`grctl demo --rl`, an RL loop that learns through one (grctl/cli/rl/); and
+`grctl demo --rl --two-stage`, one whose policy reasons, then recommends (a tiny Qwen3 the
+server loads from a checkpoint written here; grctl/cli/rl/two_stage_*.py). --json: one JSON
+document on stdout (the steps and a summary), the tables on stderr.
 
 Starts `grctl serve` on the built-in model (--allow-weight-update, a free loopback port),
 generates, pushes a perturbed copy of the model by the tensor path, verifies it, restores the
@@ -12,6 +15,7 @@ imported inside the functions, so that the other commands and --help do without 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -28,7 +32,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from grctl.cli.output import console
+from grctl.cli.options import Json
+from grctl.cli.output import command_output, console, err_console
 from grctl.client.http import GRClient
 from grctl.errors import GrctlError
 
@@ -41,22 +46,72 @@ def demo(
     rl: Annotated[
         bool, typer.Option("--rl", help="Run the RL loop instead (docs/rl-integration.md).")
     ] = False,
+    two_stage: Annotated[
+        bool,
+        typer.Option(
+            "--two-stage",
+            help="--rl: reason, then recommend (multi-stage rollouts, the two-stage estimator).",
+        ),
+    ] = False,
     steps: Annotated[int, typer.Option(min=1, help="--rl: training steps.")] = 20,
-    group: Annotated[int, typer.Option(min=2, help="--rl: samples per user and step.")] = 8,
+    group: Annotated[
+        int, typer.Option(min=2, help="--rl: samples per user and step (one stage).")
+    ] = 8,
+    reasoning: Annotated[
+        int,
+        typer.Option(min=1, help="--rl --two-stage: reasoning samples per user and step."),
+    ] = 4,
+    beams: Annotated[
+        int, typer.Option(min=2, max=16, help="--rl --two-stage: item beams per reasoning.")
+    ] = 4,
     lr: Annotated[
         Optional[float],
         typer.Option(min=0.0, help="--rl: Adam's learning rate (default: the trainer's)."),
     ] = None,
     plot: Annotated[
-        Path, typer.Option(help="--rl: the reward curve's PNG (written if matplotlib is).")
+        Path,
+        typer.Option(help="--rl (one stage): the reward curve's PNG (written if matplotlib is)."),
     ] = Path("rl_reward.png"),
+    json: Json = False,
 ) -> None:
     """Start a server, generate, push perturbed weights (tensor), restore them (disk), verify.
-    With --rl: train a policy through it, pushing each step's weights from memory."""
-    if rl:
-        run_rl_demo(console, device=device, steps=steps, group=group, lr=lr, plot=plot)
-    else:
-        run_demo(console, device=device)
+    With --rl: train a policy through it, pushing each step's weights from memory; with
+    --rl --two-stage: a policy that reasons, then recommends."""
+    if two_stage and not rl:
+        raise typer.BadParameter("--two-stage needs --rl", param_hint="--two-stage")
+    out_console = err_console if json else console
+    with command_output("demo", json) as out:
+        if rl and two_stage:
+            rows, summ = run_two_stage_demo(
+                out_console, device=device, steps=steps, reasoning=reasoning, beams=beams, lr=lr
+            )
+            doc = {"mode": "rl-two-stage", "steps": [r.to_json() for r in rows]}
+        elif rl:
+            rows = run_rl_demo(
+                out_console, device=device, steps=steps, group=group, lr=lr, plot=plot
+            )
+            from grctl.cli.rl.loop import summary
+
+            summ = summary(rows)
+            doc = {"mode": "rl", "steps": [rl_row_doc(r) for r in rows]}
+        else:
+            rows = run_demo(out_console, device=device)
+            summ = {"total_s": rows[-1][3]}
+            doc = {
+                "mode": "weight-sync",
+                "steps": [
+                    {"step": a, "weight_version": v, "output_ids": ids, "seconds": t}
+                    for a, v, ids, t in rows[:-1]
+                ],
+            }
+        out.emit({"ok": True, **doc, "summary": summ})
+
+
+def rl_row_doc(row) -> dict:
+    """One step of `grctl demo --rl` as JSON: its figures and stats, not its beams."""
+    doc = dataclasses.asdict(row)
+    doc.pop("groups")
+    return doc
 
 
 def free_port() -> int:
@@ -67,8 +122,14 @@ def free_port() -> int:
 
 @contextmanager
 def demo_server(
-    device: str, log_path: Path, catalog: Path, start_timeout: float = 60.0
+    device: str,
+    log_path: Path,
+    catalog: Path,
+    start_timeout: float = 60.0,
+    model_path: Path | None = None,
 ) -> Iterator[str]:
+    """`grctl serve` on a free loopback port with `catalog` and --allow-weight-update, on the
+    built-in model or the checkpoint at `model_path`; yields its URL, stops it on exit."""
     port = free_port()
     cmd = [
         sys.executable,
@@ -86,6 +147,7 @@ def demo_server(
         "builtin",
         "--catalog",
         str(catalog),
+        *(["--model-path", str(model_path)] if model_path is not None else []),
     ]
     package_root = str(Path(__file__).resolve().parents[2])  # `-m grctl` finds this grctl
     env = {
@@ -260,3 +322,55 @@ def run_rl_demo(
         written = write_curve(rows, plot)
         console.print(f"curves: {written}" if written else "no curves: matplotlib missing")
     return rows
+
+
+def run_two_stage_demo(
+    console: Console,
+    *,
+    device: str = "cpu",
+    steps: int = 20,
+    reasoning: int = 4,
+    beams: int = 4,
+    lr: float | None = None,
+) -> tuple[list, dict]:
+    """The two-stage loop (grctl/cli/rl/two_stage_loop.py) against a server started here on
+    the toy's model and catalog; returns its rows and summary. GrctlError when a sample mixed
+    weight versions, a group came back aborted, or the replay differs from grctl's logprobs."""
+    try:
+        import transformers  # noqa: F401  the toy's model and trainer are transformers' Qwen3
+    except ImportError:
+        raise GrctlError(
+            "grctl demo --rl --two-stage trains transformers' Qwen3, which is not installed",
+            hint="pip install transformers (or, from a checkout, pip install -e '.[rl]')",
+        ) from None
+    from grctl.cli.rl.two_stage_loop import (
+        DEFAULT_LR,
+        TwoStageTrainer,
+        check,
+        report,
+        run_two_stage_loop,
+    )
+    from grctl.cli.rl.two_stage_task import TwoStageTask
+
+    task = TwoStageTask()
+    trainer = TwoStageTrainer(task, lr=DEFAULT_LR if lr is None else lr)
+    with tempfile.TemporaryDirectory(prefix="grctl-rl2-") as tmp:
+        root = Path(tmp)
+        catalog = task.write_catalog(root / "catalog.jsonl")
+        model = task.write_model(trainer.model, root / "model")
+        with demo_server(device, root / "server.log", catalog, model_path=model) as url:
+            console.print(
+                f"demo server at {url} ({device}): a {len(task.items)}-item catalog, "
+                f"{task.num_users} users x {reasoning} reasonings x {beams} beams per step"
+            )
+            rows = run_two_stage_loop(
+                url,
+                task,
+                steps=steps,
+                reasoning_n=reasoning,
+                beams=beams,
+                trainer=trainer,
+                console=console,
+            )
+    check(rows, reasoning, task.num_users)
+    return rows, report(console, rows)
