@@ -11,9 +11,14 @@ set, limits it to catalogs under that directory. GRCTL_FAULT_STAGE_HOLD=BOUNDARY
 boundary of engine/stages.py: before_reasoning, after_reasoning, after_items) with
 GRCTL_FAULT_STAGE_HOLD_DIR=DIR holds every multi-stage group there: it writes DIR/BOUNDARY.held
 and waits (up to 60 s) for DIR/BOUNDARY.go, so a test can write weights exactly at that
-boundary; once the .go file exists, later groups pass. The server calls `install_from_env`
+boundary; once the .go file exists, later groups pass. GRCTL_FAULT_LOCAL_KILL_AT=STEP SIGKILLs
+the server at that step of a local checkpoint pull (weights/local_checkpoint.py hooks:
+file_written, after a changed file of the new version is written; built, once the version is
+whole and before it is swapped in; swapped, after the swap and before the old version is
+removed), as a crash or an OOM kill would. The server calls `install_from_env`
 at start; with no variable set nothing is installed. tests/e2e/test_faults.py and
-tests/e2e/test_catalog_sync.py use them; never set any in production.
+tests/e2e/test_catalog_sync.py and tests/e2e/test_local_checkpoint_crash.py use them; never
+set any in production.
 """
 
 from __future__ import annotations
@@ -21,13 +26,14 @@ from __future__ import annotations
 import errno
 import functools
 import os
+import signal
 import time
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
 
 from grctl.engine import stages
-from grctl.weights import checkpoint, updater
+from grctl.weights import checkpoint, local_checkpoint, updater
 
 _num_fetched: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -42,6 +48,9 @@ def install_from_env(env: Mapping[str, str] = os.environ) -> None:
     hold, hold_dir = env.get("GRCTL_FAULT_STAGE_HOLD"), env.get("GRCTL_FAULT_STAGE_HOLD_DIR")
     if hold and hold_dir and not any(getattr(h, "func", None) is _stage_hold for h in stages.hooks):
         stages.hooks.append(functools.partial(_stage_hold, hold, Path(hold_dir)))
+    kill = env.get("GRCTL_FAULT_LOCAL_KILL_AT")
+    if kill and not any(getattr(h, "func", None) is _kill_at for h in local_checkpoint.hooks):
+        local_checkpoint.hooks.append(functools.partial(_kill_at, kill))
     after = env.get("GRCTL_FAULT_READ_ERROR_AFTER")
     installed = [getattr(hook, "func", None) for hook in checkpoint.read_hooks]
     if after is None or _read_error_after in installed:
@@ -64,6 +73,11 @@ def _sync_error_at(at: str, only: str | None, step: str, catalog_path: str) -> N
         return
     if step == at:
         raise RuntimeError(f"injected sync error at {step} (test hook)")
+
+
+def _kill_at(at: str, step: str) -> None:
+    if step == at:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _stage_hold(at: str, where: Path, boundary: str, request_id: str) -> None:

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from grctl import confined
 from grctl.errors import Conflict, GrctlError, NotFound, ValidationError
 from grctl.weights import apply, delta_patch
 from grctl.weights.mapping import resolve
@@ -151,17 +152,21 @@ def _decompress(name: str, fmt: str, raw: np.ndarray, limit: int, exact: int | N
     return np.frombuffer(out, dtype=np.uint8)
 
 
-def read_index(vdir: Path) -> dict:
+def read_index(vdir: Path, root: Path | None = None) -> dict:
+    """The version's index, opened as a plain file (never through a symlink) and, with a
+    `root` (--weights-root), checked to lie inside it through its descriptor."""
     path = vdir / INDEX
-    if not path.is_file():
+    try:
+        data = confined.read_bytes(path, root=root, what=INDEX, limit=MAX_INDEX_BYTES)
+    except FileNotFoundError:
         raise NotFound(
             f"no delta at {str(vdir)!r} ({INDEX} missing)",
             hint="publish the version first (grctl.client.delta.DeltaPublisher)",
-        )
-    if path.stat().st_size > MAX_INDEX_BYTES:
-        raise ValidationError(f"{INDEX} of {str(vdir)!r} is over {MAX_INDEX_BYTES} bytes")
+        ) from None
+    except OSError as exc:
+        raise ValidationError(f"{INDEX} of {str(vdir)!r} cannot be read: {exc.strerror}") from None
     try:
-        index = json.loads(path.read_bytes())
+        index = json.loads(data)
         meta, weight_map = index["metadata"], index["weight_map"]
         assert isinstance(meta, dict) and isinstance(weight_map, dict)
         assert all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items())
@@ -187,11 +192,11 @@ def same_version(a: object, b: object) -> bool:
     return a.isdigit() and b.isdigit() and int(a) == int(b)
 
 
-def plan_delta(updater: WeightUpdater, vdir: Path):
+def plan_delta(updater: WeightUpdater, vdir: Path, root: Path | None = None):
     """Inside the update's turn: check the base, parse every tensor's delta and verify the
     state it makes (delta_patch.py), plan the writes. Returns (writes, patches by name); raises
     before any write."""
-    index = read_index(vdir)
+    index = read_index(vdir, root)
     meta = index["metadata"]
     versions = updater.versions
     base = str(meta.get("base_version"))
@@ -212,15 +217,17 @@ def plan_delta(updater: WeightUpdater, vdir: Path):
         vdir,
         index,
         lambda st, sums, name: _apply_one(st, sums, name, enc, algorithm, meta, cfg, params),
+        root,
     )
     views = {name: cur for name, (cur, _) in found.items()}
     writes = apply.plan_against(cfg, params, apply.specs_of(views.items()), require_full=False)
     return writes, {name: patch for name, (_, patch) in found.items()}
 
 
-def each_tensor(vdir: Path, index: dict, decode) -> dict:
+def each_tensor(vdir: Path, index: dict, decode, root: Path | None = None) -> dict:
     """{name: decode(file, its checksums, name)} for every tensor a delta version's index names,
-    file by file; a missing file or one safetensors cannot read is a 400."""
+    file by file; a missing file, a symlink, a file outside `root` (--weights-root, checked
+    through its descriptor: confined.py) or one safetensors cannot read is a 4xx."""
     by_file: dict[str, list[str]] = {}
     for name, f in index["weight_map"].items():
         by_file.setdefault(f, []).append(name)
@@ -229,15 +236,18 @@ def each_tensor(vdir: Path, index: dict, decode) -> dict:
     out = {}
     for f, names in sorted(by_file.items()):
         path = vdir / f
-        if not path.is_file():
-            raise ValidationError(f"delta file {str(path)!r} is missing")
         try:
-            with safe_open(str(path), framework="np") as st:
+            with (
+                confined.opened(path, root=root, what="delta file", follow=False) as fd_name,
+                safe_open(fd_name, framework="np") as st,
+            ):
                 sums = st.metadata() or {}
                 for name in names:
                     out[name] = decode(st, sums, name)
         except GrctlError:
             raise
+        except FileNotFoundError:
+            raise ValidationError(f"delta file {str(path)!r} is missing") from None
         except Exception as exc:  # safetensors' own errors: a corrupt or foreign file
             raise ValidationError(f"delta file {str(path)!r} is unreadable: {exc}") from exc
     return out
@@ -291,14 +301,20 @@ def decoded(st, sums, name, enc, algorithm, meta, base: np.ndarray, width: int) 
 
 
 def update_from_delta(
-    updater: WeightUpdater, vdir: Path, *, weight_version: str | None, **options
+    updater: WeightUpdater,
+    vdir: Path,
+    *,
+    weight_version: str | None,
+    root: Path | None = None,
+    **options,
 ) -> UpdateOutcome:
     """Apply one delta version through the updater (its turn, exclusive section, labels): every
-    tensor checked first, then only its changed elements written, in the pause."""
+    tensor checked first, then only its changed elements written, in the pause; `root`
+    (--weights-root) confines every file it opens."""
     held: dict[str, delta_patch.Patch] = {}
 
     def validate():
-        writes, patches = plan_delta(updater, vdir)
+        writes, patches = plan_delta(updater, vdir, root)
         held.update(patches)
         return writes
 

@@ -87,3 +87,13 @@ def with_chat_template(src: Path, dst: Path, template: str) -> Path:
     tok.chat_template = template
     tok.save_pretrained(dst)
     return dst
+
+
+def dir_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory's safetensors files, read with safetensors."""
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out

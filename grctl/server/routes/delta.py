@@ -42,6 +42,13 @@ def confined(state: State, field: str, value: str, path: Path) -> Path:
     return path
 
 
+def weights_root(state: State) -> Path | None:
+    """--weights-root, which every file a pull opens is checked against again, through its
+    descriptor (grctl/confined.py): the route's check above is on the path, before the open."""
+    root = state.config.weights_root
+    return None if root is None else Path(root)
+
+
 def checked_source(state: State, body: PullWeightsBody) -> Path:
     if not body.source_dir or body.target_version is None:
         raise ValidationError("source_dir and target_version are required")
@@ -82,6 +89,7 @@ async def pull_weights(
         state.updater,
         vdir,
         weight_version=str(body.target_version) if label is None else label,
+        root=weights_root(state),
         token_step=body.token_step,
         flush_cache=body.flush_cache,
         abort_all_requests=body.abort_all_requests,
@@ -103,7 +111,13 @@ async def pull_into_local(
         )
     t0 = time.perf_counter()
     versions, tensors = await offload(
-        state, local_checkpoint.pull, local, vdir.parent, body.target_version, Path(base)
+        state,
+        local_checkpoint.pull,
+        local,
+        vdir.parent,
+        body.target_version,
+        Path(base),
+        root=weights_root(state),
     )
     what = "seeded" if body.target_version == 0 else f"{versions} version(s) applied to"
     return UpdateWeightsResponse(
