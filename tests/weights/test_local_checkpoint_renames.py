@@ -6,6 +6,7 @@ then works. The base has four shards, two of which the step changes.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -40,30 +41,34 @@ def wholly(local, old: dict, new: dict) -> int:
     return marker
 
 
-def test_a_pull_cut_at_each_rename_leaves_one_version(published, monkeypatch):
-    root, base, old, new = published
+def pull_cut_after(renames: int, *args) -> bool:
+    """The pull, its rename past the first `renames` raising Killed: whether it finished."""
     real = {name: getattr(os, name) for name in ("replace", "rename")}
+    calls = 0
+
+    def counted(name: str, *a, **kw):
+        nonlocal calls
+        calls += 1
+        if calls > renames:
+            raise Killed(name)
+        return real[name](*a, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name in real:
+            mp.setattr(os, name, functools.partial(counted, name))
+        try:
+            local_checkpoint.pull(*args)
+        except Killed:
+            return False
+    return True
+
+
+def test_a_pull_cut_at_each_rename_leaves_one_version(published):
+    root, base, old, new = published
     for cut in range(20):
         local = root / f"local-{cut}"
         local_checkpoint.pull(local, root / "pub", 0, base)
-        calls = [0]
-
-        def counted(name, *args, **kw):
-            calls[0] += 1
-            if calls[0] > cut:
-                raise Killed(name)
-            return real[name](*args, **kw)
-
-        for name in real:
-            monkeypatch.setattr(os, name, lambda *a, _n=name, **k: counted(_n, *a, **k))
-        try:
-            local_checkpoint.pull(local, root / "pub", 1, base)
-            done = True
-        except Killed:
-            done = False
-        finally:
-            for name, fn in real.items():
-                monkeypatch.setattr(os, name, fn)
+        done = pull_cut_after(cut, local, root / "pub", 1, base)
         wholly(local, old, new)
         assert local_checkpoint.pull(local, root / "pub", 1, base)[0] in (0, 1)
         assert wholly(local, old, new) == 1
