@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
+from grctl import confined
 from grctl.errors import ValidationError
 
 MAX_DEPTH = 64  # tokens in one item path
@@ -78,14 +79,22 @@ class ItemIds:
         return len(self.blob) + self.offsets.nbytes
 
 
-def read_catalog(path: str, *, max_bytes: int | None = None, vocab_size: int | None = None):
+def read_catalog(
+    path: str,
+    *,
+    max_bytes: int | None = None,
+    vocab_size: int | None = None,
+    root: str | None = None,
+):
     """Parse and check a catalog file -> CatalogRows. Raises ValidationError naming the line.
 
     Only a regular file is read, and its size is checked before any byte is: a FIFO would
     block the reload forever (opened without blocking, then refused), and a device such as
-    /dev/zero reports size 0 and never ends."""
+    /dev/zero reports size 0 and never ends. With a `root` (--weights-root) the file opened
+    must lie inside it, checked through its descriptor (confined.py): a symlink swapped in
+    after the route's check of the path is a 403."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        fd = confined.open_read(path, root=root, what="catalog", follow=True)
     except OSError as exc:
         raise ValidationError(f"catalog {path!r} cannot be read: {exc.strerror}") from None
     st = os.fstat(fd)

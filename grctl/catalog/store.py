@@ -71,8 +71,9 @@ def build_catalog(
     *,
     vocab_size: int | None = None,
     max_bytes: int | None = None,
+    root: str | None = None,
 ) -> Catalog:
-    rows = read_catalog(path, max_bytes=max_bytes, vocab_size=vocab_size)
+    rows = read_catalog(path, max_bytes=max_bytes, vocab_size=vocab_size, root=root)
     trie = Trie(rows.paths, rows.lengths, device)
     catalog = Catalog(version, trie, rows.ids, path, time.time(), rows.file_bytes)
     del rows
@@ -147,7 +148,12 @@ class CatalogStore:
         path = self.checked_path(path) if confine else path
         with self._reload_lock:
             return build_catalog(
-                path, 0, self.device, vocab_size=self.vocab_size, max_bytes=self.max_bytes
+                path,
+                0,
+                self.device,
+                vocab_size=self.vocab_size,
+                max_bytes=self.max_bytes,
+                root=self.root if confine else None,
             )
 
     def install(

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from grctl import confined
 from grctl.engine.gate import Gate
 from grctl.errors import Conflict, NotReady, ValidationError
 
@@ -232,12 +233,16 @@ class StepProfiler:
 def _export(prof: profile, path: Path) -> Path:
     """Write a stopped profile's trace (seconds for a long one: never on the worker thread)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.partial.json.gz")  # renamed whole: never seen half
+    # renamed whole: never seen half; a random name made with O_EXCL|O_NOFOLLOW (a symlink
+    # planted at a predictable one would have the trace written through it)
+    fd, partial = confined.make_temp(path.parent, f".{path.name}.", ".partial.json.gz")
+    os.close(fd)
     try:
         try:  # torch's Python writer: the GIL is let go between events (the C++ one holds it)
             prof.export_chrome_trace(str(partial), use_python_export=True)
         except TypeError:  # a torch without it
             prof.export_chrome_trace(str(partial))
+        os.chmod(partial, 0o644)  # mkstemp's 0600: a trace is as readable as it was
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
