@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -153,7 +153,9 @@ class Engine:
         return self.worker.run_step()
 
     # ---- requests -----------------------------------------------------------------------
-    def submit(self, req: GenerateRequest) -> str:
+    def validate(self, req: GenerateRequest) -> None:
+        """The checks a request passes before it is queued (validation.py), against this
+        engine's model and limits: a ValidationError says what to change."""
         cfg = self.config
         validate_request(
             req,
@@ -162,6 +164,17 @@ class Engine:
             max_beam_width=cfg.max_beam_width,
             max_new_tokens_limit=cfg.max_new_tokens,
         )
+
+    def check_open(self) -> None:
+        """Raise why generation is refused now (paused, weights mixed, memory released...), as
+        submit would; nothing when it is served."""
+        with self.gate:
+            refusals = self.gate.refusals()
+        if refusals:
+            raise refusals[0][1]()
+
+    def submit(self, req: GenerateRequest) -> str:
+        self.validate(req)
         self.scheduler.check_fits(req)
         while True:  # the request keeps the catalog served when it is queued, whatever reloads
             catalog = self._served_catalog(req)
@@ -250,6 +263,11 @@ class Engine:
             )
         return NotFound(f"no request {request_id!r}", hint="results are kept until fetched")
 
+    def is_known(self, request_id: str) -> bool:
+        """Its id is taken: in flight, or ended with its result kept or being built."""
+        with self.gate:
+            return self._known(request_id)
+
     def _known(self, request_id: str) -> bool:
         """In flight, or ended with its result kept or being built (holding the gate)."""
         return request_id in self.scheduler or request_id in self.results
@@ -259,10 +277,14 @@ class Engine:
         return self.generate_many([req], timeout)[0]
 
     def generate_many(
-        self, reqs: list[GenerateRequest], timeout: float | None = None
+        self,
+        reqs: list[GenerateRequest],
+        timeout: float | None = None,
+        on_queued: Callable[[list[str]], None] | None = None,
     ) -> list[GenerateResult]:
         """Submit every request (all or none), then wait for each: one scheduler batch. On a
-        timeout (for the whole batch) or any error, the unfinished ones are cancelled."""
+        timeout (for the whole batch) or any error, the unfinished ones are cancelled.
+        `on_queued` is called with their ids once all are queued, before the wait."""
         self.check_batch_fits(len(reqs))
         rids: list[str] = []
         results: list[GenerateResult] = []
@@ -270,6 +292,8 @@ class Engine:
         try:
             for req in reqs:
                 rids.append(self.submit(req))
+            if on_queued is not None:
+                on_queued(list(rids))
             for rid in rids:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 results.append(self.result(rid, left))

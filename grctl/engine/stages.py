@@ -18,6 +18,7 @@ forces weight writes at the boundaries through them).
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -98,14 +99,46 @@ class Group:
 
 @dataclass
 class Control:
-    """What a cancelled handler stops: the stage requests in flight, and any stage after."""
+    """What stops a run's stage requests: the handler being cancelled (its client went away:
+    `cancel`, every request's stages discarded), or an abort of one request (`abort`,
+    /abort_request by its rid: its stage requests in flight end "abort", no later stage of it
+    runs, and its reply says so). `live` maps each stage request in the engine to its request."""
 
-    live: set[str] = field(default_factory=set)
+    live: dict[str, str] = field(default_factory=dict)
+    aborted: set[str] = field(default_factory=set)
     cancelled: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def cancel(self, engine: Engine) -> None:
-        self.cancelled = True
-        engine.discard(list(self.live))
+        with self.lock:
+            self.cancelled = True
+            live = list(self.live)
+        engine.discard(live)
+
+    def abort(self, engine: Engine, request_id: str) -> None:
+        with self.lock:
+            self.aborted.add(request_id)
+            for rid, owner in self.live.items():
+                if owner == request_id:
+                    engine.cancel(rid)
+
+    def is_aborted(self, request_id: str) -> bool:
+        with self.lock:
+            return request_id in self.aborted
+
+    def queued(self, engine: Engine, owners: dict[str, str]) -> None:
+        """The stage requests `owners` names are in the engine: an abort (or a cancel) that
+        came while they were being queued reaches them now."""
+        with self.lock:
+            self.live.update(owners)
+            for rid, owner in owners.items():
+                if self.cancelled or owner in self.aborted:
+                    engine.cancel(rid)
+
+    def ended(self, rids: list[str]) -> None:
+        with self.lock:
+            for rid in rids:
+                self.live.pop(rid, None)
 
 
 @dataclass
@@ -136,30 +169,34 @@ def run(
     while todo:
         for g in todo:
             _fire("before_reasoning", g)
+        todo = _unless_aborted(todo, control)
         g_gen = _generation(engine)
         for g in todo:
             g.generation = g_gen
-        results = _submit_wait(engine, [g.stage_request(1) for g in todo], deadline, first, control)
+        results = _submit_wait(engine, todo, 1, deadline, first, control)
         first = False
         for g, r in zip(todo, results, strict=True):
             g.reasoning = r
         for g in todo:
             _fire("after_reasoning", g)
         live = []
-        for g in todo:
+        for g in _unless_aborted(todo, control):
             if g.reasoning.finish_reason == "abort":
                 g.aborted = True
             elif len(_labels(g.reasoning)) > 1:
-                _restart(g)
+                _restart(g, control)
             else:
                 live.append(g)
-        results = _submit_wait(engine, [g.stage_request(2) for g in live], deadline, False, control)
+        results = _submit_wait(engine, live, 2, deadline, False, control)
         now = _generation(engine)
         for g, r in zip(live, results, strict=True):
-            if r.finish_reason == "abort" and not r.beams:
+            if r.finish_reason == "abort" and control.is_aborted(g.request.request_id):
+                g.aborted = True  # its partial beams are returned, marked "abort"
+                g.items = r if r.beams else None
+            elif r.finish_reason == "abort" and not r.beams:
                 g.aborted = True
             elif now != g.generation or len(_labels(g.reasoning) | _labels(r)) > 1:
-                _restart(g)
+                _restart(g, control)
             else:
                 g.items = r
                 _fire("after_items", g)
@@ -168,11 +205,22 @@ def run(
     return [StagedResult(r, groups[r.request_id], latency) for r in reqs]
 
 
-def _restart(g: Group) -> None:
+def _restart(g: Group, control: Control) -> None:
     g.restarts += 1
     g.items = None
-    if g.restarts > MAX_RESTARTS:
+    if g.restarts > MAX_RESTARTS or control.is_aborted(g.request.request_id):
         g.aborted = True
+
+
+def _unless_aborted(groups: list[Group], control: Control) -> list[Group]:
+    """The groups whose request was not aborted; the others end "abort" here."""
+    out = []
+    for g in groups:
+        if control.is_aborted(g.request.request_id):
+            g.aborted = True
+        else:
+            out.append(g)
+    return out
 
 
 def _fire(boundary: str, g: Group) -> None:
@@ -187,32 +235,36 @@ def _generation(engine: Engine) -> int:
 
 def _submit_wait(
     engine: Engine,
-    reqs: list[GenerateRequest],
+    groups: list[Group],
+    stage: int,
     deadline: float | None,
     refuse: bool,
     control: Control,
 ) -> list[GenerateResult]:
-    """engine.generate_many; while generation is paused, the first stage of a request is
-    refused as any request is (`refuse`), a later one waits for the resume."""
-    if not reqs:
+    """The groups' `stage` requests through engine.generate_many; while generation is paused,
+    the first stage of a request is refused as any request is (`refuse`), a later one waits
+    for the resume."""
+    if not groups:
         return []
+    reqs = [g.stage_request(stage) for g in groups]
+    owners = {r.request_id: g.request.request_id for r, g in zip(reqs, groups, strict=True)}
     while True:
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
             raise GenerateTimeout("the multi-stage request did not finish in time")
         if control.cancelled:
             raise Cancelled("the multi-stage request was cancelled")
-        rids = {r.request_id for r in reqs}
-        control.live |= rids
         try:
-            return engine.generate_many(reqs, left)
+            return engine.generate_many(
+                reqs, left, on_queued=lambda _: control.queued(engine, owners)
+            )
         except Paused:
             if refuse:
                 raise
             with engine.gate:
                 engine.gate.wait_for(lambda: not engine.gate.is_paused, left)
         finally:
-            control.live -= rids
+            control.ended(list(owners))
 
 
 class Cancelled(Exception):

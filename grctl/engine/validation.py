@@ -83,6 +83,27 @@ def _number_in(value: object, lo: float, hi: float) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and lo <= value <= hi
 
 
+def check_temperature(value: object, name: str = "temperature") -> None:
+    """The float32 bound of a temperature; `name`: the field the client sent it as."""
+    if not _number_in(value, 0.0, MAX_TEMPERATURE):
+        raise ValidationError(f"{name} must be a number in [0, {MAX_TEMPERATURE:g}], got {value!r}")
+
+
+def check_top_k(value: object, name: str = "top_k") -> None:
+    if not _is_int(value) or not (value == -1 or 1 <= value <= MAX_TOP_K):
+        raise ValidationError(
+            f"{name} must be -1 (whole vocab) or in [1, {MAX_TOP_K}], got {value!r}"
+        )
+
+
+def check_length_penalty(value: object, name: str = "length_penalty") -> None:
+    if not _number_in(value, -MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY):
+        raise ValidationError(
+            f"{name} must be a number in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}], "
+            f"got {value!r}"
+        )
+
+
 def _check_search(req: GenerateRequest, vocab: int, max_beam_width: int) -> None:
     sp = req.sampling
     width_limit = min(max_beam_width, vocab)
@@ -98,16 +119,10 @@ def _check_search(req: GenerateRequest, vocab: int, max_beam_width: int) -> None
             raise ValidationError(f"n must be at least 1, got {sp.n!r}")
         if sp.n > sp.beam_width:
             raise ValidationError(f"n ({sp.n}) cannot exceed beam_width ({sp.beam_width}).")
-    if not _number_in(sp.temperature, 0.0, MAX_TEMPERATURE):
-        raise ValidationError(
-            f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {sp.temperature!r}"
-        )
+    check_temperature(sp.temperature)
     if not isinstance(sp.top_p, (int, float)) or not 0 < sp.top_p <= 1:
         raise ValidationError(f"top_p must be in (0, 1], got {sp.top_p!r}")
-    if not _is_int(sp.top_k) or not (sp.top_k == -1 or 1 <= sp.top_k <= MAX_TOP_K):
-        raise ValidationError(
-            f"top_k must be -1 (whole vocab) or in [1, {MAX_TOP_K}], got {sp.top_k!r}"
-        )
+    check_top_k(sp.top_k)
     if not _number_in(sp.min_p, 0.0, 1.0):
         raise ValidationError(f"min_p must be in [0, 1], got {sp.min_p!r}")
     if sp.seed is not None and not (_is_int(sp.seed) and -(2**63) <= sp.seed < 2**64):
@@ -117,11 +132,7 @@ def _check_search(req: GenerateRequest, vocab: int, max_beam_width: int) -> None
             f"min_new_tokens must be in [0, max_new_tokens ({sp.max_new_tokens})], "
             f"got {sp.min_new_tokens!r}"
         )
-    if not _number_in(sp.length_penalty, -MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY):
-        raise ValidationError(
-            f"length_penalty must be a number in [-{MAX_LENGTH_PENALTY:g}, "
-            f"{MAX_LENGTH_PENALTY:g}], got {sp.length_penalty!r}"
-        )
+    check_length_penalty(sp.length_penalty)
     if sp.length_penalty != 0 and (sp.width == 1 or sp.is_stochastic):
         raise ValidationError(
             "length_penalty ranks the finished beams of a deterministic beam search: it needs "

@@ -14,6 +14,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from grctl.protocol.generate import FinishReason, WeightVersionSpan
+from grctl.protocol.stages import ForcedPrefix, ReasoningParams, ReturnMode, StageSpan
 
 PosInt = Annotated[int, Meta(ge=1)]
 TokenId = Annotated[int, Meta(ge=0)]
@@ -55,6 +56,13 @@ class CompletionBody(OpenAIBody, kw_only=True):
     logprobs: Annotated[int, Meta(ge=0)] | None = None  # the chosen token's only
     echo: bool = False  # the prompt before the completion; with logprobs, its tokens' too
     suffix: str | None = None  # refused
+    # a multi-stage request (docs/http-api.md "Multi-stage requests"), in grctl's spelling as
+    # extra body fields (as SGLang and vLLM take their extra sampling params): the reasoning
+    # stage, then the forced prefix; n, max_tokens, temperature, top_p, top_k, seed and
+    # use_catalog are the item stage's, and every returned beam of every sample is a choice
+    reasoning: ReasoningParams | None = None
+    forced_prefix: ForcedPrefix | None = None
+    beam_return_mode: ReturnMode | None = None
 
 
 class ChatMessageIn(Struct, kw_only=True):
@@ -97,6 +105,12 @@ class ChoiceMeta(Struct, kw_only=True, omit_defaults=True):
     item_id: int | str | None = None
     is_complete: bool | None = None
     catalog_version: int | None = None
+    # a multi-stage request's beam: its reasoning sample (a GRPO group), and which response
+    # positions were sampled, forced or searched
+    group_id: str | None = None
+    group_index: int | None = None
+    beam_index: int | None = None
+    stage_spans: list[StageSpan] | None = None
 
 
 class Metadata(Struct, kw_only=True):

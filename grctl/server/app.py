@@ -11,6 +11,8 @@ app.state holds what handlers share:
                 labels and counters (updater.versions, /status "weights")
   weights_checker  the snapshot kept by /weights_checker
   beam_groups   the multi-stage groups verl-GR reads one beam_index at a time (beam_groups.py)
+  staged        the multi-stage requests by rid: /submit's kept for /result, /generate's while
+                they run, both for /abort_request (staged_runs.py)
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from grctl.server.routes.profile import profile_routes
 from grctl.server.routes.unsupported import unsupported_routes
 from grctl.server.routes.updates import update_router
 from grctl.server.routes.weights import weight_router
+from grctl.server.staged_runs import StagedRuns
 from grctl.server.tokenizer import load_tokenizer
 from grctl.weights.checker import WeightsChecker
 from grctl.weights.updater import WeightUpdater
@@ -92,6 +95,9 @@ def create_app(engine: Any, config: ServeConfig, tokenizer: Any | None = None) -
             "updater": WeightUpdater(engine),
             "weights_checker": WeightsChecker(),
             "beam_groups": BeamGroups(config.beam_group_max_bytes, config.beam_group_ttl_s),
+            "staged": StagedRuns(
+                config.engine.max_waiting_requests, config.engine.max_finished_results
+            ),
             # One thread per waiting call; enough that every queued request can be awaited.
             "waiters": anyio.CapacityLimiter(
                 config.engine.max_running_requests + config.engine.max_waiting_requests + 8

@@ -4,8 +4,9 @@
 verl-GR sends one call per (beam_group_id, beam_index). The first call of an id computes the
 group; calls arriving meanwhile wait for it; every call then reads its beam of the same group.
 An entry goes once `width` calls were served, after `ttl_s`, when the store is over `max_bytes`
-(least recently used first; the entry being served stays), or on clear() (an abort). A call
-whose request differs from the group's (its fingerprint) is a 409. All methods may block and
+(least recently used first; the entry being served stays), on clear() (an abort of all) or on
+discard() (an abort of a call reading it). A call whose request differs from the group's (its
+fingerprint) is a 409. All methods may block and
 run in worker threads (server/offload.py).
 """
 
@@ -121,6 +122,19 @@ class BeamGroups:
             for gid, e in done:
                 self._drop(gid, e)
             return len(done)
+
+    def discard(self, group_id: str) -> bool:
+        """Drop one group (an abort of a call reading it), computed or not: calls waiting for
+        it get what its computation ends with, and the next call of the id computes anew."""
+        with self._lock:
+            entry = self._entries.get(group_id)
+            if entry is None:
+                return False
+            if entry.done.is_set():
+                self._drop(group_id, entry)
+            else:
+                del self._entries[group_id]
+            return True
 
     def __len__(self) -> int:
         with self._lock:

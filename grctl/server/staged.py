@@ -1,7 +1,8 @@
-"""Running a /generate body's multi-stage requests (engine/stages.py) and shaping their replies:
-requests without a beam_group_id run as one engine batch; each one with a beam_group_id goes
-through the server's BeamGroups, computed once per group and answered with its beam_index's
-beam (docs/http-api.md "Beam groups")."""
+"""Running a body's multi-stage requests (engine/stages.py) and shaping their replies, for
+/generate (in its handler's thread), /submit and /submit_many (queued: server/staged_runs.py)
+and /v1/completions: requests without a beam_group_id run as one engine batch; each one with
+a beam_group_id goes through the server's BeamGroups, computed once per group and answered
+with its beam_index's beam (docs/http-api.md "Beam groups")."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from litestar.datastructures import State
 
 from grctl.engine import stages
 from grctl.engine.stages import StagedRequest
-from grctl.engine.validation import validate_request
 from grctl.protocol.generate import GenerateResponse
 from grctl.server.translation.stage_replies import staged_response
 
@@ -62,32 +62,44 @@ def check_stages(engine, req: StagedRequest) -> None:
     """Both stages pass the engine's checks before anything runs: stage 2 as if its reasoning
     ran to its longest (so a prefix past the vocabulary, a width over the limit or a context
     past --max-context-len is a 400 at once, not after stage 1)."""
-    cfg = engine.config
     g = stages.Group(req, 0)
+    engine.validate(g.stage_request(1))  # first: it bounds the reasoning before a context
+    longest = (*req.input_ids, *[0] * req.reasoning.max_new_tokens, *req.prefix_ids)
+    engine.validate(g.stage_request(2, longest))
 
-    def check(one) -> None:
-        validate_request(
-            one,
-            engine.model.config,
-            max_context_len=engine.max_context_len,
-            max_beam_width=cfg.max_beam_width,
-            max_new_tokens_limit=cfg.max_new_tokens,
-        )
 
-    check(g.stage_request(1))  # first: it bounds the reasoning before a context is built
-    check(
-        g.stage_request(2, (*req.input_ids, *[0] * req.reasoning.max_new_tokens, *req.prefix_ids))
-    )
+def check_all(state: State, reqs: list[StagedRequest]) -> None:
+    """Every request's both stages, and the batch's size, before any runs (a 400 at once)."""
+    engine = state.engine
+    for req in reqs:
+        check_stages(engine, req)
+    engine.check_batch_fits(sum(r.num_samples for r in reqs))
 
 
 def run_staged(
     state: State, reqs: list[StagedRequest], control: stages.Control
 ) -> list[GenerateResponse]:
-    """In a worker thread: every request to its reply, in order."""
+    """In a worker thread: every request to its reply, in order (/generate's requests, known to
+    state.staged while they run so /abort_request reaches them)."""
+    check_all(state, reqs)
+    with state.staged.tracked(reqs, control, state.engine.is_known):
+        return compute_staged(state, reqs, control)
+
+
+def submit_staged(state: State, reqs: list[StagedRequest]) -> list[str]:
+    """/submit's and /submit_many's: checked, then queued to run in a thread of their own
+    (server/staged_runs.py), their replies kept for /poll and /result."""
+    check_all(state, reqs)
+    state.engine.check_open()  # paused, weights mixed...: refused now, as any submit is
+    return state.staged.start(
+        reqs, lambda control: compute_staged(state, reqs, control), state.engine.is_known
+    )
+
+
+def compute_staged(
+    state: State, reqs: list[StagedRequest], control: stages.Control
+) -> list[GenerateResponse]:
     engine, tokenizer = state.engine, state.tokenizer
-    for req in reqs:
-        check_stages(engine, req)
-    engine.check_batch_fits(sum(r.num_samples for r in reqs))
     timeout = state.config.generate_timeout_s
     replies: dict[str, GenerateResponse] = {}
     plain = [r for r in reqs if not r.group_ids]
@@ -98,8 +110,9 @@ def run_staged(
             continue
         (gid,) = req.group_ids
 
-        def compute(req: StagedRequest = req) -> GenerateResponse:
-            return staged_response(stages.run(engine, [req], timeout, control)[0], tokenizer)
+        def compute(req: StagedRequest = req, gid: str = gid) -> GenerateResponse:
+            with state.staged.computing(gid, control, req.request_id):
+                return staged_response(stages.run(engine, [req], timeout, control)[0], tokenizer)
 
         whole = state.beam_groups.serve(
             gid, fingerprint(req), req.items.width, compute, timeout=timeout

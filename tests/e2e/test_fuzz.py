@@ -166,17 +166,66 @@ MULTI_STAGE_BAD = [
     {"enable_two_stage_rollout": False, "reasoning": {}},
     {"return_all_beams": [3]},
     {"stage2_temperature": -1},
+    # past float32 (and the engine's bounds): each a 400 naming the field as sent
+    {"decode_config": {}, "stage2_temperature": 1e308},
+    {"decode_config": {}, "stage2_top_k": 2**63},
+    {"decode_config": {}, "stage2_top_p": 1e308},
+    {"beam_search_params": {"temperature": 1e308}},
+    {"beam_search_params": {"length_penalty": 1e308}},
+    {"beam_search_params": {"length_penalty": -1e308}},
+    {"beam_search_params": {"top_k": 10**30}},
+    {"reasoning": {"temperature": 1e308}},
+    {"reasoning": {"top_k": 2**31}},
+    {"reasoning": {"min_p": 1e308}},
     {"custom_params": {"reasoning": {"n": -1}}},
     {"custom_params": {"decode_config": NESTED}},
     {"custom_params": {"beam_group_id": "x" * 5000}},
 ]
 
 
+# the grctl fields /v1/completions takes (docs/http-api.md "Multi-stage requests")
+COMPLETION_STAGE_BAD = [
+    {"reasoning": "think"},
+    {"reasoning": [1]},
+    {"reasoning": {"n": 10**30}},
+    {"reasoning": {"max_new_tokens": 10**12}},
+    {"reasoning": {"temperature": 1e308}},
+    {"reasoning": {"top_k": 2**63}},
+    {"reasoning": {"stop_token_ids": [10**12]}},
+    {"reasoning": {"bogus": 1}},
+    {"reasoning": NESTED},
+    {"reasoning": {}, "forced_prefix": "abc"},
+    {"reasoning": {}, "forced_prefix": {"ids": [10**9]}},
+    {"reasoning": {}, "forced_prefix": {"ids": NESTED}},
+    {"reasoning": {}, "forced_prefix": {"text": "x" * 200_000}},
+    {"reasoning": {}, "beam_return_mode": NESTED},
+    {"reasoning": {}, "beam_return_mode": "some"},
+    {"reasoning": {}, "n": 10**6},
+    {"reasoning": {}, "max_tokens": 10**12},
+    {"reasoning": {}, "temperature": 1e308},
+    {"reasoning": {}, "echo": True},
+    {"reasoning": {}, "logprobs": 5},
+    {"forced_prefix": {"ids": [1]}},  # no reasoning
+    {"beam_return_mode": "best_only"},
+]
+
+
 def multi_stage_cases() -> list[tuple[str, str, object]]:
-    return [
-        ("POST", "/generate", {"input_ids": [1, 2], "sampling_params": sp})
-        for sp in MULTI_STAGE_BAD
-    ]
+    """Every bad multi-stage body on each route that takes one: /generate, /submit,
+    /submit_many (beside a good row: all or none) and /v1/completions."""
+    good = {
+        "input_ids": [1, 2],
+        "sampling_params": {"reasoning": {"max_new_tokens": 2}, "max_new_tokens": 1},
+    }
+    out: list[tuple[str, str, object]] = []
+    for sp in MULTI_STAGE_BAD:
+        row = {"input_ids": [1, 2], "sampling_params": sp}
+        out.append(("POST", "/generate", row))
+        out.append(("POST", "/submit", row))
+        out.append(("POST", "/submit_many", {"requests": [good, row]}))
+    for extra in COMPLETION_STAGE_BAD:
+        out.append(("POST", "/v1/completions", {"prompt": [1, 2], "max_tokens": 1, **extra}))
+    return out
 
 
 def cases(root: Path) -> list[tuple[str, str, object]]:
@@ -663,6 +712,10 @@ JSONISH = st.recursive(
 FIELDS = [
     "input_ids",
     "sampling_params",
+    "prompt",
+    "reasoning",
+    "forced_prefix",
+    "beam_return_mode",
     "n",
     "max_new_tokens",
     "mode",
@@ -1178,24 +1231,61 @@ def test_no_route_stalls_the_event_loop(probe, probe_root, table):
     assert not stalls, "\n".join(stalls)
 
 
+def _staged_generate(c, sp):
+    body = {"text": [WORDS] * 16, "sampling_params": sp, "return_logprob": True}
+    replies = c.post("/generate", json=body)
+    assert replies.status_code == 200, replies.text[:300]
+    return len(replies.json())  # prompts answered
+
+
+def _staged_submit_many(c, sp):
+    rows = [{"text": WORDS, "sampling_params": sp, "return_logprob": True}] * 16
+    queued = c.post("/submit_many", json={"requests": rows})
+    assert queued.status_code == 202, queued.text[:300]
+    out = []
+    for rid in queued.json()["request_ids"]:
+        reply = c.get(f"/result/{rid}", params={"timeout": 120})
+        assert reply.status_code == 200, reply.text[:300]
+        out.append(reply.json())
+    return len(out)
+
+
+def _staged_completions(c, sp):
+    body = {
+        "prompt": [WORDS] * 16,
+        "reasoning": sp["reasoning"],
+        "forced_prefix": sp["forced_prefix"],
+        "n": sp["n"],
+        "max_tokens": sp["max_new_tokens"],
+        "temperature": 0.0,
+        "logprobs": 0,
+    }
+    reply = c.post("/v1/completions", json=body)
+    assert reply.status_code == 200, reply.text[:300]
+    choices = reply.json()["choices"]
+    assert len(choices) == 16 * 4 * 16  # every beam of every sample of every prompt
+    return len({c["meta_info"]["request_id"] for c in choices})
+
+
 @pytest.mark.slow
-def test_a_multi_stage_batch_does_not_stall_the_loop(probe):
+@pytest.mark.parametrize("run", [_staged_generate, _staged_submit_many, _staged_completions])
+def test_a_multi_stage_batch_does_not_stall_the_loop(probe, run):
     """The heaviest multi-stage reply here (16 prompts of 400 tokens, 4 reasoning samples each,
-    16 catalog beams per sample, every logprob): /health within 100 ms meanwhile."""
+    16 catalog beams per sample, every logprob), on each route that runs one: /health within
+    100 ms meanwhile."""
     sp = {
         "reasoning": {"n": 4, "max_new_tokens": 8, "stop": "t7"},
         "forced_prefix": {"text": "t5"},
         "n": 16,
         "max_new_tokens": 3,
     }
-    body = {"text": [WORDS] * 16, "sampling_params": sp, "return_logprob": True}
-    worst, replies = calm_health(
+    got: list = []
+    worst, _ = calm_health(
         lambda: probe.client(timeout=120),
-        lambda c: c.post("/generate", json=body),
+        lambda c: got.append(run(c, sp)),
         limit_s=STALL_LIMIT_S,
     )
-    assert replies[-1].status_code == 200, replies[-1].text[:300]
-    assert len(replies[-1].json()) == 16
+    assert got[-1] == 16
     assert worst < STALL_LIMIT_S, f"/health took {worst * 1000:.0f} ms"
 
 

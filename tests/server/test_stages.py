@@ -6,6 +6,7 @@ the beams' scores, one reply equal to the same work as separate requests, the gr
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -224,7 +225,185 @@ def test_bad_multi_stage_bodies_are_400(served, sp, says):
     assert r.status_code == 400 and says in r.text, r.text
 
 
-def test_only_generate_serves_them(served):
+def comparable(reply: dict) -> dict:
+    """A reply less what differs between two runs of the same work: its latency."""
+    meta = {k: v for k, v in reply["meta_info"].items() if k != "e2e_latency"}
+    return {**reply, "meta_info": meta}
+
+
+def assert_same(a, b, where: str = "") -> None:
+    """Equal JSON, floats to 1e-5 (a batch's kernels round otherwise than one request's)."""
+    if isinstance(a, float) or isinstance(b, float):
+        assert a == pytest.approx(b, abs=1e-5), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, list):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def uncached(reply: dict) -> dict:
+    meta = {k: v for k, v in reply["meta_info"].items() if k != "cached_tokens"}
+    meta["stage_groups"] = [
+        {k: v for k, v in g.items() if k != "cached_tokens"} for g in meta["stage_groups"]
+    ]
+    return {**reply, "meta_info": meta}
+
+
+def generated(http, b: dict) -> dict:
+    assert http.get("/flush_cache").status_code == 200  # the same cached_tokens each run
+    r = http.post("/generate", json=b)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def fetched(http, rid: str) -> dict:
+    deadline = time.monotonic() + 60
+    while not (p := http.get(f"/poll/{rid}").json())["ready"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    r = http.get(f"/result/{rid}", params={"timeout": 60})
+    assert r.status_code == 200, r.text
+    assert comparable(p["response"]) == comparable(r.json())  # poll peeks, result takes
+    assert http.get(f"/poll/{rid}").status_code == 404  # fetched: gone
+    return r.json()
+
+
+def test_submit_poll_result_equal_generate(served):
+    http, model = served
+    b = {**body(), "rid": "st-submit"}
+    ref = generated(http, b)
+    assert http.get("/flush_cache").status_code == 200
+    r = http.post("/submit", json=b)
+    assert r.status_code == 202 and r.json()["request_id"] == "st-submit", r.text
+    got = fetched(http, "st-submit")
+    assert comparable(got) == comparable(ref)
+    # and against transformers, not only against /generate
+    for beam in got["meta_info"]["beam_results"]:
+        ids, lps = beam["output_ids"], beam["meta_info"]["behaviour_logprobs"]
+        n_r = beam["meta_info"]["stage_spans"][0]["end"]
+        ref_lps = hf_token_logprobs(model, PROMPT + ids, len(PROMPT), T1)[:n_r]
+        assert lps[:n_r] == pytest.approx(ref_lps, abs=1e-5)
+
+
+def test_submit_many_runs_multi_and_one_stage_rows(served):
     http, _ = served
-    r = http.post("/submit", json=body())
-    assert r.status_code == 400 and "/generate" in r.text
+    one = {"input_ids": PROMPT, "rid": "sm-one", "sampling_params": {"max_new_tokens": 3}}
+    rows = [{**body(), "rid": "sm-a"}, one, {**body({"seed": 3}), "rid": "sm-b"}]
+    refs = [generated(http, row) for row in rows]
+    assert http.get("/flush_cache").status_code == 200
+    r = http.post("/submit_many", json={"requests": rows})
+    assert r.status_code == 202 and r.json()["request_ids"] == ["sm-a", "sm-one", "sm-b"], r.text
+    for row, ref in zip(rows, refs, strict=True):
+        got = http.get(f"/result/{row['rid']}", params={"timeout": 60})
+        assert got.status_code == 200, got.text
+        if row is one:  # a one-stage reply: its latency and cached prompt may differ
+            assert got.json()["output_ids"] == ref["output_ids"]
+        else:  # the multi-stage rows ran as one batch of their own: the same replies, but
+            # what the prefix cache held (the rows share their prompt), to float rounding
+            assert_same(uncached(comparable(got.json())), uncached(comparable(ref)))
+
+
+def test_submit_refusals(served):
+    http, _ = served
+    bad = body({"temperature": 1e308})
+    r = http.post("/submit", json=bad)
+    assert r.status_code == 400 and "reasoning.temperature" in r.json()["error"]["message"]
+    r = http.post("/submit_many", json={"requests": [{**body(), "rid": "x1"}, bad]})
+    assert r.status_code == 400, r.text
+    assert http.get("/poll/x1").status_code == 404  # all or none: nothing was queued
+    # an id in use by a multi-stage request is taken for one-stage requests too
+    assert http.post("/submit", json={**body(), "rid": "dup"}).status_code == 202
+    one = {"input_ids": PROMPT, "rid": "dup", "sampling_params": {"max_new_tokens": 1}}
+    assert http.post("/submit", json=one).status_code == 409
+    assert http.post("/submit", json={**body(), "rid": "dup"}).status_code == 409
+    assert http.get("/result/dup", params={"timeout": 60}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "field, sp",
+    [
+        ("stage2_temperature", {"decode_config": {}, "stage2_temperature": 1e308}),
+        ("beam_search_params.temperature", {"beam_search_params": {"temperature": 1e308}}),
+        ("beam_search_params.length_penalty", {"beam_search_params": {"length_penalty": 1e308}}),
+        ("reasoning.temperature", {"reasoning": {"temperature": 1e308}}),
+        ("stage2_top_k", {"decode_config": {}, "stage2_top_k": 2**63}),
+        ("reasoning.top_k", {"reasoning": {"top_k": 2**31}}),
+    ],
+)
+def test_stage_knobs_past_float32_are_a_400_naming_them(served, field, sp):
+    http, _ = served
+    r = http.post("/generate", json={"input_ids": PROMPT, "sampling_params": sp})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith(field), r.text
+
+
+def completion_body(**kw) -> dict:
+    sp = body()["sampling_params"]
+    return {
+        "prompt": PROMPT,
+        "reasoning": sp["reasoning"],
+        "forced_prefix": sp["forced_prefix"],
+        "n": sp["n"],
+        "max_tokens": sp["max_new_tokens"],
+        "temperature": 0.0,
+        "use_catalog": False,
+        "logprobs": 0,
+        **kw,
+    }
+
+
+def test_completions_take_the_stages_as_extra_fields(served):
+    http, _ = served
+    ref = generated(http, {**body(), "rid": "cmp"})
+    r = http.post("/v1/completions", json=completion_body(rid="cmp"))
+    assert r.status_code == 200, r.text
+    reply = r.json()
+    beams = ref["meta_info"]["beam_results"]
+    assert reply["id"] == "cmpl-cmp" and len(reply["choices"]) == len(beams) == 6
+    for i, (c, b) in enumerate(zip(reply["choices"], beams, strict=True)):
+        cm, bm = c["meta_info"], b["meta_info"]
+        assert c["index"] == i and cm["output_ids"] == b["output_ids"]
+        assert (cm["group_id"], cm["group_index"], cm["beam_index"]) == (
+            bm["group_id"],
+            bm["group_index"],
+            bm["beam_index"],
+        )
+        assert cm["stage_spans"] == bm["stage_spans"]
+        # every choice its own behaviour logprobs, the forced prefix null
+        assert c["logprobs"]["token_logprobs"] == pytest.approx(bm["behaviour_logprobs"])
+        assert c["logprobs"]["tokens"] == [f"t{t}" for t in b["output_ids"]]
+        assert (
+            c["finish_reason"] == {"length": "length", "stop": "stop"}[bm["finish_reason"]["type"]]
+        )
+    usage = reply["usage"]
+    assert usage["prompt_tokens"] == len(PROMPT)
+    assert usage["completion_tokens"] == ref["meta_info"]["completion_tokens"]
+    # a batch of prompts: /generate's batch, choices prompt by prompt
+    two = http.post("/v1/completions", json=completion_body(prompt=[PROMPT, PROMPT[:3]]))
+    ref2 = generated(http, {**body(), "input_ids": [PROMPT, PROMPT[:3]]})
+    assert two.status_code == 200, two.text
+    assert [c["meta_info"]["output_ids"] for c in two.json()["choices"]] == [
+        b["output_ids"] for rep in ref2 for b in rep["meta_info"]["beam_results"]
+    ]
+
+
+@pytest.mark.parametrize(
+    "kw, says",
+    [
+        ({"reasoning": None, "forced_prefix": {"ids": PREFIX}}, "send reasoning"),
+        ({"echo": True}, "echo"),
+        ({"logprobs": 2}, "alternatives"),
+        ({"reasoning": {"temperature": 1e308}}, "reasoning.temperature"),
+        ({"reasoning": {"n": [2]}}, "reasoning.n"),
+    ],
+)
+def test_bad_multi_stage_completions_are_400(served, kw, says):
+    http, _ = served
+    r = http.post("/v1/completions", json=completion_body(**kw))
+    assert r.status_code == 400 and says in r.text, r.text

@@ -20,7 +20,6 @@ from litestar.status_codes import HTTP_202_ACCEPTED
 from grctl.engine import stages
 from grctl.engine.request import GenerateRequest, GenerateResult
 from grctl.engine.stages import StagedRequest
-from grctl.engine.validation import validate_request
 from grctl.errors import DuplicateRequestId, PayloadTooLarge
 from grctl.errors import ValidationError as BadRequest
 from grctl.protocol.generate import (
@@ -39,7 +38,7 @@ from grctl.server.disconnect import unless_disconnected
 from grctl.server.offload import offload
 from grctl.server.openapi import error_responses
 from grctl.server.params import seconds
-from grctl.server.staged import run_staged
+from grctl.server.staged import check_all, run_staged, submit_staged
 from grctl.server.translation.generate import is_parallel, to_requests, to_response
 
 
@@ -59,6 +58,20 @@ async def run_to_end(state: State, reqs: list[GenerateRequest]) -> list[Generate
     return results
 
 
+async def staged_to_end(
+    state: State, request: Request, reqs: list[StagedRequest]
+) -> list[GenerateResponse]:
+    """Multi-stage requests to their replies (staged.py); a client that goes away cancels
+    them."""
+    control = stages.Control()
+    return await unless_disconnected(
+        request,
+        lambda: offload(
+            state, run_staged, state, reqs, control, on_cancel=lambda: control.cancel(state.engine)
+        ),
+    )
+
+
 @post(
     "/generate",
     status_code=200,
@@ -72,19 +85,9 @@ async def generate(
         state, to_requests, data or GenerateBody(), state.tokenizer, state.config.parallel_sampling
     )
     if reqs and isinstance(reqs[0], StagedRequest):  # to_requests: all of a batch, or none
-        control = stages.Control()
-        replies = await unless_disconnected(
-            request,
-            lambda: offload(
-                state,
-                run_staged,
-                state,
-                reqs,
-                control,
-                on_cancel=lambda: control.cancel(state.engine),
-            ),
-        )
+        replies = await staged_to_end(state, request, reqs)
         return replies if is_batch else replies[0]
+    state.staged.refuse_taken([r.request_id for r in reqs])
     # A client that goes away cancels its requests (run_to_end's on_cancel).
     results = await unless_disconnected(request, lambda: run_to_end(state, reqs))
     replies = await offload(state, responses, results, state.tokenizer)
@@ -107,7 +110,11 @@ async def submit(
     reqs, is_batch = await offload(state, to_requests, data or GenerateBody(), state.tokenizer)
     if is_batch:
         raise BadRequest("/submit takes one prompt", hint="use /submit_many for a batch")
+    if isinstance(reqs[0], StagedRequest):
+        (rid,) = await offload(state, submit_staged, state, reqs)
+        return SubmitResponse(request_id=rid)
     one_sequence(state, reqs[0])
+    state.staged.refuse_taken([reqs[0].request_id])
     # submit parses the request's exclusions against the catalog: off the event loop too
     return SubmitResponse(request_id=await offload(state, state.engine.submit, reqs[0]))
 
@@ -133,30 +140,32 @@ async def submit_many(
 
 def queue_all(state: State, bodies: list[GenerateBody]) -> list[str]:
     """Every row checked, then all queued or none (in a worker thread: it tokenizes and parses
-    each row's exclusions)."""
-    engine, cfg = state.engine, state.engine.config
+    each row's exclusions). The multi-stage rows run as one batch of their own (staged.py),
+    started once the others are queued."""
+    engine = state.engine
     reqs = [one_request(b, state.tokenizer) for b in bodies]
-    for req in reqs:  # every row passes the engine's own checks before any is queued
+    staged = [r for r in reqs if isinstance(r, StagedRequest)]
+    plain = [r for r in reqs if not isinstance(r, StagedRequest)]
+    for req in plain:  # every row passes the engine's own checks before any is queued
         one_sequence(state, req)
-        validate_request(
-            req,
-            engine.model.config,
-            max_context_len=engine.max_context_len,
-            max_beam_width=cfg.max_beam_width,
-            max_new_tokens_limit=cfg.max_new_tokens,
-        )
-    engine.check_batch_fits(len(reqs))
+        engine.validate(req)
+    if staged:
+        check_all(state, staged)
+    engine.check_batch_fits(len(plain) + sum(r.num_samples for r in staged))
     ids = [r.request_id for r in reqs]
     if len(set(ids)) != len(ids):
         raise DuplicateRequestId("the batch repeats a request id; nothing was queued")
+    state.staged.refuse_taken(ids)
     queued: list[str] = []
     try:
-        for req in reqs:
+        for req in plain:
             queued.append(engine.submit(req))
+        if staged:
+            queued += submit_staged(state, staged)
     except Exception:  # paused, overloaded or a taken id part-way: take the batch back
         engine.discard(queued)
         raise
-    return queued
+    return ids
 
 
 def one_request(body: GenerateBody, tokenizer) -> GenerateRequest:
@@ -167,13 +176,7 @@ def one_request(body: GenerateBody, tokenizer) -> GenerateRequest:
 
 
 def one_sequence(state: State, req: GenerateRequest) -> None:
-    """Under --parallel-sampling, n samples are n replies: only /generate answers them; and
-    only /generate runs multi-stage requests."""
-    if isinstance(req, StagedRequest):
-        raise BadRequest(
-            "a multi-stage request is served by /generate only",
-            hint='docs/http-api.md "Multi-stage requests"',
-        )
+    """Under --parallel-sampling, n samples are n replies: only /generate answers them."""
     if state.config.parallel_sampling and is_parallel(req):
         raise BadRequest(
             f"n {req.sampling.n} without beam_width is {req.sampling.n} samples under "
@@ -188,6 +191,10 @@ def one_sequence(state: State, req: GenerateRequest) -> None:
     responses=error_responses(404),
 )
 async def poll(state: State, request_id: str) -> PollResponse:
+    run = state.staged.get(request_id)
+    if run is not None:  # a queued multi-stage request
+        reply = state.staged.poll(run)
+        return PollResponse(ready=reply is not None, response=reply)
     result = state.engine.poll(request_id)
     if result is None:
         return PollResponse(ready=False)
@@ -208,6 +215,9 @@ async def result(
 ) -> GenerateResponse:
     limit = state.config.generate_timeout_s
     wait = seconds(timeout, limit=limit, default=limit)
+    run = state.staged.get(request_id)
+    if run is not None:  # a queued multi-stage request
+        return await offload(state, state.staged.result, run, wait)
     res = await offload(state, state.engine.result, request_id, timeout=wait)
     state.metrics.observe_result(res)
     return await offload(state, to_response, res, state.tokenizer)
@@ -223,6 +233,12 @@ async def cancel(state: State, data: Annotated[CancelBody | None, Body()] = None
     request_id = data and (data.request_id or data.rid)
     if not request_id:
         raise BadRequest("request_id is required")
+    groups = state.staged.abort(state.engine, request_id)
+    if groups is not None:  # a multi-stage request: aborted, its groups cleared
+        await offload(state, clear_groups, state, groups)
+        return CancelResponse(request_id=request_id, cancelled=True)
+    if state.staged.get(request_id) is not None:  # a multi-stage one that has finished
+        return CancelResponse(request_id=request_id, cancelled=False)
     cancelled = state.engine.cancel(request_id)
     if not cancelled:
         state.engine.poll(request_id)  # NotFound (404) unless it finished and awaits fetching
@@ -235,13 +251,23 @@ async def abort_request(
 ) -> AbortRequestResponse:
     body = data or AbortRequestBody()
     if body.abort_all:
-        num = state.engine.abort_all()
+        num = state.staged.abort_all(state.engine) + state.engine.abort_all()
         await offload(state, state.beam_groups.clear)
     elif body.rid:  # SGLang semantics: an unknown or finished rid is not an error
-        num = int(state.engine.cancel(body.rid))
+        groups = state.staged.abort(state.engine, body.rid)
+        if groups is not None:  # a multi-stage request: both stages, and its beam groups
+            await offload(state, clear_groups, state, groups)
+            num = 1
+        else:
+            num = int(state.engine.cancel(body.rid))
     else:
         num = 0
     return AbortRequestResponse(success=True, num_aborted_requests=num)
+
+
+def clear_groups(state: State, group_ids: tuple[str, ...]) -> None:
+    for gid in group_ids:
+        state.beam_groups.discard(gid)
 
 
 generate_routes = [generate, submit, submit_many, poll, result, cancel, abort_request]

@@ -19,6 +19,7 @@ from litestar.params import Body
 from litestar.response import Stream
 
 from grctl.errors import NotFound
+from grctl.errors import ValidationError as BadRequest
 from grctl.protocol.openai import (
     ChatChoice,
     ChatChunkChoice,
@@ -39,9 +40,10 @@ from grctl.protocol.openai import (
 from grctl.server.disconnect import unless_disconnected
 from grctl.server.offload import offload
 from grctl.server.openapi import error_responses
-from grctl.server.routes.generate import run_to_end
+from grctl.server.routes.generate import run_to_end, staged_to_end
 from grctl.server.routes.info import served_model_name
 from grctl.server.translation.chat_template import chat_prompt, check_chat
+from grctl.server.translation.generate import to_requests
 from grctl.server.translation.openai import (
     Choice,
     choices_of,
@@ -53,6 +55,13 @@ from grctl.server.translation.openai import (
     requests_of,
     top_logprobs_of,
     usage_of,
+)
+from grctl.server.translation.openai_stages import (
+    is_staged,
+    staged_body,
+    staged_choices,
+    staged_metadata,
+    staged_usage,
 )
 
 STARTED = created_now()  # the model cards' `created`
@@ -135,9 +144,21 @@ async def completions(
     top = top_logprobs_of(body.logprobs, True, "logprobs") if body.logprobs is not None else 0
     state.engine.check_batch_fits(num_prompts(body))  # before a prompt is tokenized
     rows = await offload(state, completion_prompts, body, state.tokenizer)
-    results, choices = await run(
-        state, request, body, rows, body.max_tokens, body.logprobs is not None, top, body.echo
-    )
+    if is_staged(body):
+        if top:
+            raise BadRequest("logprobs > 0 (alternatives) is not served for multi-stage requests")
+        reqs, _ = await offload(state, to_requests, staged_body(body, rows), state.tokenizer)
+        replies = await staged_to_end(state, request, reqs)
+        choices = await offload(
+            state, staged_choices, replies, state.tokenizer, body.skip_special_tokens
+        )
+        rid, usage = replies[0].meta_info.id, staged_usage(replies)
+        metadata = staged_metadata(replies)
+    else:
+        results, choices = await run(
+            state, request, body, rows, body.max_tokens, body.logprobs is not None, top, body.echo
+        )
+        rid, usage, metadata = results[0].request_id, usage_of(results), metadata_of(results)
     out = [
         CompletionChoice(
             index=c.index,
@@ -149,15 +170,12 @@ async def completions(
         )
         for c in choices
     ]
-    head = {"id": f"cmpl-{results[0].request_id}", "created": created_now(), "model": body.model}
+    head = {"id": f"cmpl-{rid}", "created": created_now(), "model": body.model}
     if not body.stream:
-        reply = CompletionResponse(
-            **head, choices=out, usage=usage_of(results), metadata=metadata_of(results)
-        )
-        return Response(reply)
+        return Response(CompletionResponse(**head, choices=out, usage=usage, metadata=metadata))
     chunks: list[msgspec.Struct] = [CompletionResponse(**head, choices=[c]) for c in out]
     if body.stream_options and body.stream_options.include_usage:
-        chunks.append(CompletionResponse(**head, choices=[], usage=usage_of(results)))
+        chunks.append(CompletionResponse(**head, choices=[], usage=usage))
     return sse(chunks)
 
 

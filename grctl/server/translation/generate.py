@@ -333,7 +333,7 @@ def _items(result: GenerateResult) -> list[ItemResultOut] | None:
     ]
 
 
-def _is_gumbel(result: GenerateResult) -> bool:
+def is_gumbel(result: GenerateResult) -> bool:
     """Stochastic beams that ran to their end, whose reply carries gumbel_threshold (null: the
     support was drawn); an aborted one's is absent (its beams are no sample of anything)."""
     drawn = any(b.gumbel_key is not None for b in result.beams)
@@ -379,7 +379,7 @@ def to_response(result: GenerateResult, tokenizer: Any | None = None) -> Generat
         catalog_version=result.catalog_version,
         kv_recomputed_at=result.kv_recomputed_at or None,
         item_prefix_len=result.item_prefix_len,
-        gumbel_threshold=result.gumbel_threshold if _is_gumbel(result) else msgspec.UNSET,
+        gumbel_threshold=result.gumbel_threshold if is_gumbel(result) else msgspec.UNSET,
         **_mask_fields(top, result.text),
     )
     text = beam_text(top, tokenizer, result.text) if top is not None else ""

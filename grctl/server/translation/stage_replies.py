@@ -19,7 +19,7 @@ from grctl.protocol.generate import (
     WeightVersionSpan,
 )
 from grctl.protocol.stages import StageGroupOut, StageSpan
-from grctl.server.translation.generate import finish_reason, ids_text
+from grctl.server.translation.generate import finish_reason, ids_text, is_gumbel
 
 
 def _spans(versions: list[str]) -> list[WeightVersionSpan]:
@@ -103,7 +103,8 @@ def _group_beams(g: Group, start_rank: int, tokenizer: Any, with_lps: bool):
 
 def _group_out(g: Group, num_beams: int) -> StageGroupOut:
     r1, r2 = g.reasoning, g.items
-    stochastic = r2 is not None and any(b.gumbel_key is not None for b in r2.beams)
+    # an aborted item stage's beams are no sample of anything: no threshold (as one stage)
+    stochastic = r2 is not None and is_gumbel(r2)
     kind = "abort" if r1 is None else r1.finish_reason
     return StageGroupOut(
         group_id=g.group_id,

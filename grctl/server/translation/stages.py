@@ -10,6 +10,7 @@ from typing import Any
 from grctl.engine.request import GenerateRequest
 from grctl.engine.search.params import SamplingParams
 from grctl.engine.stages import StagedRequest
+from grctl.engine.validation import check_length_penalty, check_temperature, check_top_k
 from grctl.errors import ValidationError
 from grctl.protocol.generate import GenerateBody, SamplingParamsBody
 from grctl.protocol.stages import BeamSearchParams, DecodeConfig, DecodePhase
@@ -95,6 +96,7 @@ def staged_request(
     tokenizer: Any | None,
 ) -> StagedRequest:
     """`items`: sampling_of(body, sp), the item stage as a one-stage request reads it."""
+    check_stage_knobs(sp)
     if body.return_original_logprob:
         raise ValidationError(
             "return_original_logprob is not served for multi-stage requests: their logprobs "
@@ -153,6 +155,28 @@ def staged_request(
         detokenize=template.detokenize,
         stage_template=template,
     )
+
+
+def check_stage_knobs(sp: SamplingParamsBody) -> None:
+    """The stage fields' float32 and range bounds, as one stage's (engine/validation.py), each
+    refusal naming the field as sent (the engine's own checks name the stage's knob only)."""
+    rs, bsp = sp.reasoning, sp.beam_search_params
+    temperatures = [("stage2_temperature", sp.stage2_temperature)]
+    top_ks = [("stage2_top_k", sp.stage2_top_k)]
+    if rs is not None:
+        temperatures.append(("reasoning.temperature", rs.temperature))
+        top_ks.append(("reasoning.top_k", rs.top_k))
+    if bsp is not None:
+        temperatures.append(("beam_search_params.temperature", bsp.temperature))
+        top_ks.append(("beam_search_params.top_k", bsp.top_k))
+        if bsp.length_penalty is not None:
+            check_length_penalty(bsp.length_penalty, "beam_search_params.length_penalty")
+    for name, value in temperatures:
+        if value is not None:
+            check_temperature(value, name)
+    for name, value in top_ks:
+        if value is not None:
+            check_top_k(value, name)
 
 
 def _verl_gr(sp: SamplingParamsBody, items: SamplingParams, tokenizer: Any | None):
