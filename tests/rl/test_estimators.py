@@ -151,3 +151,36 @@ def test_weighted_estimates_of_the_expected_reward_are_unbiased_and_the_beam_mea
         assert abs(mean - policy.exact) < 3 * se, (name, mean, se, policy.exact)
     mean, se = figures["plain"]
     assert abs(mean - policy.exact) > 20 * se and abs(mean - policy.exact) > 0.1, figures
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.5])
+def test_tempered_beams_corrected_to_the_t1_policy(temperature):
+    """Beams drawn at T != 1 are a sample without replacement of the tempered policy q_T, so
+    the weights estimate E_{q_T}[r]; multiplied by rho = pi_1 / q_T (the T = 1 policy replayed
+    over the same support) they estimate E_{pi_1}[r], and sum_s w_s rho_s (r_s - b) grad log
+    pi_1(s) its gradient, for any constant b (docs/rl-integration.md). Exact: the expectation
+    over every ordered sample of k = 3 of 6 items."""
+    theta = torch.tensor([1.2, 0.3, -0.4, 0.9, -1.1, 0.0], dtype=torch.float64)
+    r = torch.tensor([1.0, 0.2, 0.0, 0.7, 0.4, 0.1], dtype=torch.float64)
+    log_pi = theta.log_softmax(0)
+    log_q = (theta / temperature).log_softmax(0)
+    q = log_q.exp().tolist()
+    pi = log_pi.exp()
+    exact_pi, exact_q = float((pi * r).sum()), float((log_q.exp() * r).sum())
+    exact_grad = pi * (r - (pi * r).sum())  # d E_pi[r] / d theta for pi = softmax(theta)
+    b = 0.3
+    want = {"plain": 0.0, "corrected": 0.0}
+    grad = torch.zeros(6, dtype=torch.float64)
+    for seq in itertools.permutations(range(6), 3):
+        p_seq = ordered_prob(q, seq)
+        s = list(seq)
+        w = unordered_set_weights(log_q[s])
+        rho = (log_pi[s] - log_q[s]).exp()
+        want["plain"] += p_seq * float((w * r[s]).sum())
+        want["corrected"] += p_seq * float((w * rho * r[s]).sum())
+        for j, i in enumerate(s):  # grad log pi_1(i) = onehot(i) - pi
+            grad += p_seq * w[j] * rho[j] * (r[i] - b) * (torch.eye(6, dtype=torch.float64)[i] - pi)
+    assert want["plain"] == pytest.approx(exact_q, abs=1e-8)  # the tempered policy's reward
+    assert abs(exact_q - exact_pi) > 0.02  # ... which is another figure
+    assert want["corrected"] == pytest.approx(exact_pi, abs=1e-8)
+    assert grad.tolist() == pytest.approx(exact_grad.tolist(), abs=1e-8)

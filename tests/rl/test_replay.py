@@ -250,3 +250,40 @@ def test_replay_on_cuda_equals_the_cpu(model, replay, items):
     assert gpu.output.device.type == "cuda"
     assert torch.allclose(gpu.output.cpu(), cpu.output, atol=1e-5)
     assert torch.allclose(gpu.prompt.cpu(), cpu.prompt, atol=1e-5)
+
+
+def flashinfer_min_p_support(probs: torch.Tensor, top_k: int, top_p: float, min_p: float):
+    """The tokens SGLang's flashinfer sampling path keeps when min_p is set (its sampler.py:
+    top_k_renorm_prob, then top_p_renorm_prob on those renormalised probabilities, then
+    min_p_sampling_from_probs), written out here: the k most likely, renormalised; of those the
+    smallest most-likely set whose mass reaches top_p; then those >= min_p times the max."""
+    order = probs.argsort(descending=True)
+    kept = order[:top_k]
+    p = probs[kept] / probs[kept].sum()
+    before = p.cumsum(0) - p
+    kept, p = kept[before < top_p], p[before < top_p]
+    return set(kept[p >= min_p * p.max()].tolist())
+
+
+def test_sglangs_flashinfer_min_p_order_keeps_another_support():
+    """grctl judges top_k, top_p and min_p on one distribution (docs/http-api.md); SGLang's
+    flashinfer path with min_p judges top_p after the top_k renormalisation, which cuts more:
+    on a two-level catalog of 7 x 7 items with the same 7 probabilities at every node, top_k 5,
+    top_p 0.55, min_p 0.05, grctl's support (the replay's, which equals the server's:
+    tests/rl/test_served.py) holds 3 x 3 items, flashinfer's 2 x 2."""
+    probs = torch.tensor([0.3, 0.2, 0.1, 0.1, 0.1, 0.1, 0.1], dtype=torch.float64)
+    firsts, seconds = list(range(20, 27)), list(range(30, 37))
+    items = [(a, b) for a in firsts for b in seconds]
+    cat = "\n".join(
+        json.dumps({"item_id": f"i{n}", "token_ids": list(p)}) for n, p in enumerate(items)
+    )
+    replay = CatalogReplay.parse((cat + "\n").encode(), vocab_size=64)
+    logits = torch.full((len(items), 2, 64), -30.0, dtype=torch.float64)
+    logits[:, 0, firsts] = probs.log()
+    logits[:, 1, seconds] = probs.log()
+    f = Filters(temperature=1.0, top_k=5, top_p=0.55, min_p=0.05)
+    got = replay.logprobs(logits, [[1]] * len(items), [list(p) for p in items], f).sequence()
+    ours = {p for p, lp in zip(items, got.tolist(), strict=True) if lp > -math.inf}
+    kept = flashinfer_min_p_support(probs, 5, 0.55, 0.05)
+    theirs = {(firsts[i], seconds[j]) for i in kept for j in kept}
+    assert len(ours) == 9 and len(theirs) == 4 and theirs < ours

@@ -194,3 +194,24 @@ def test_replay_without_a_catalog_masks_the_stop_ids_before_min_new_tokens(srv, 
             assert got.output[i, : len(served)].tolist() == pytest.approx(served, abs=1e-5)
             assert got.sequence()[i].item() == pytest.approx(b.meta_info.sampling_logprob, abs=1e-5)
             assert abs(unmasked.output[i, 0].item() - served[0]) > 1e-3  # the mask matters
+
+
+def test_the_replay_needs_the_requests_own_sampling_params(srv, model, replay, items):
+    """The figures docs/rl-integration.md gives: over every item a request can draw (its
+    support), each token's behaviour logprob replayed with the request's own params (what the
+    server reports: test_replay_equals_the_servers_behaviour_logprobs) against the replay as
+    plain T = 1 sampling with no filter (the params lost): the worst token's gap."""
+    paths = [list(p) for p in items]
+    lost = replayed(model, replay, PROMPT, paths, Filters(temperature=1.0)).output
+    gaps = {}
+    for sp in REQUESTS:
+        if not sp.get("temperature") or "exclude_item_ids" in sp or "min_new_tokens" in sp:
+            continue  # the filters' support holds every item; exclusions' and min_new's not
+        got = replayed(model, replay, PROMPT, paths, Filters.of(sp)).output
+        mask = torch.isfinite(got) & (got != 0)
+        name = ",".join(f"{k}={v}" for k, v in sp.items() if k not in ("n", "seed"))
+        gaps[name] = (got - lost).abs().masked_fill(~mask, 0).max().item()
+    print({"worst_token_gap_nats": gaps})
+    assert gaps["temperature=1.0"] == 0.0  # nothing lost: T = 1 and no filter
+    assert gaps["temperature=0.7,top_k=3"] > 1.0, gaps
+    assert gaps["temperature=1.2,top_p=0.8,min_p=0.05"] > 0.3, gaps
