@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import math
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +26,9 @@ from grctl.client.buffers import (  # noqa: F401 (the buffers are named here too
     no_shm_space,
     shared_buffer,
 )
+from grctl.weights import apply
 from grctl.weights.apply import TensorSpec
+from grctl.weights.checkpoint import Checkpoint
 from grctl.weights.wire import encode
 from grctl.weights.wire.records import FlattenedTensorMetadata
 
@@ -33,6 +36,9 @@ ALIGN = 16  # byte alignment of each tensor inside a bucket
 # Below this many elements torch copies on the calling thread (its parallel grain size): a
 # cast staged in pieces this small never starts an OpenMP region.
 SERIAL_ELEMENTS = 32_767
+# At most this many threads read a checkpoint into a bucket (the server's read-thread count,
+# which follows torch's: a trainer with many torch threads gains nothing from more).
+MAX_READERS = 4
 
 
 @dataclass(frozen=True)
@@ -149,10 +155,7 @@ def stage(
     else:
         flat = torch.empty(plan.nbytes, dtype=torch.uint8, device=device)
     try:
-        for e in plan.entries:
-            dst = flat[e.start : e.start + e.nbytes].view(e.dtype).view(e.shape)
-            if not source.read_into(e.name, dst):  # a file read straight into the bucket
-                copy_into(dst, source.fetch(e.name))  # cast and device move in one copy
+        fill(source, flat, plan.entries)
         if flat.is_cuda:
             torch.cuda.synchronize(device)  # the bytes are in place before any handle leaves
     except BaseException:
@@ -160,6 +163,28 @@ def stage(
             give_back()
         raise
     return StagedBucket(plan, flat, give_back)
+
+
+def fill(source, flat: torch.Tensor, entries: tuple[Entry, ...]) -> None:
+    """Each entry's tensor into its place in `flat`: read straight from the file where it needs
+    no conversion (a checkpoint's tensors on the sink's read threads, largest first, as the
+    server reads a checkpoint itself: pread releases the GIL), else fetched and copied."""
+
+    def view(e: Entry) -> torch.Tensor:
+        return flat[e.start : e.start + e.nbytes].view(e.dtype).view(e.shape)
+
+    def read(e: Entry) -> bool:
+        return source.read_into(e.name, view(e))
+
+    if isinstance(source, Checkpoint) and flat.device.type == "cpu" and len(entries) > 1:
+        order = sorted(entries, key=lambda e: e.nbytes, reverse=True)
+        with ThreadPoolExecutor(min(apply.read_workers(), MAX_READERS)) as pool:
+            read_ok = list(pool.map(read, order))
+        left = [e for e, ok in zip(order, read_ok, strict=True) if not ok]
+    else:
+        left = [e for e in entries if not read(e)]
+    for e in left:
+        copy_into(view(e), source.fetch(e.name))  # cast and device move in one copy
 
 
 def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:

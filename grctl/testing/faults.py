@@ -15,10 +15,13 @@ boundary; once the .go file exists, later groups pass. GRCTL_FAULT_LOCAL_KILL_AT
 the server at that step of a local checkpoint pull (weights/local_checkpoint.py hooks:
 file_written, after a changed file of the new version is written; built, once the version is
 whole and before it is swapped in; swapped, after the swap and before the old version is
-removed), as a crash or an OOM kill would. The server calls `install_from_env`
-at start; with no variable set nothing is installed. tests/e2e/test_faults.py and
-tests/e2e/test_catalog_sync.py and tests/e2e/test_local_checkpoint_crash.py use them; never
-set any in production.
+removed), as a crash or an OOM kill would. GRCTL_FAULT_SEGMENT_HOLD_DIR=DIR holds the server's
+read of a pushed shared-memory tensor once GRCTL_FAULT_SEGMENT_HOLD_AFTER (default 0) such
+reads were made: it writes DIR/segment.held (the segment's path) and waits (up to 60 s) for
+DIR/segment.go, so a test can truncate the segment mid-copy; later reads pass. The server calls
+`install_from_env` at start; with no variable set nothing is installed. tests/e2e/test_faults.py,
+tests/e2e/test_catalog_sync.py, tests/e2e/test_local_checkpoint_crash.py and
+tests/e2e/test_shm_push.py use them; never set any in production.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from grctl.engine import stages
-from grctl.weights import checkpoint, local_checkpoint, updater
+from grctl.weights import checkpoint, local_checkpoint, shm_reads, updater
 
 _num_fetched: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -51,6 +54,10 @@ def install_from_env(env: Mapping[str, str] = os.environ) -> None:
     kill = env.get("GRCTL_FAULT_LOCAL_KILL_AT")
     if kill and not any(getattr(h, "func", None) is _kill_at for h in local_checkpoint.hooks):
         local_checkpoint.hooks.append(functools.partial(_kill_at, kill))
+    seg_dir = env.get("GRCTL_FAULT_SEGMENT_HOLD_DIR")
+    if seg_dir and not any(getattr(h, "func", None) is _segment_hold for h in shm_reads.read_hooks):
+        seg_after = int(env.get("GRCTL_FAULT_SEGMENT_HOLD_AFTER", "0"))
+        shm_reads.read_hooks.append(functools.partial(_segment_hold, Path(seg_dir), [seg_after]))
     after = env.get("GRCTL_FAULT_READ_ERROR_AFTER")
     installed = [getattr(hook, "func", None) for hook in checkpoint.read_hooks]
     if after is None or _read_error_after in installed:
@@ -87,6 +94,19 @@ def _stage_hold(at: str, where: Path, boundary: str, request_id: str) -> None:
     if go.exists():
         return
     (where / f"{at}.held").write_text(request_id)
+    deadline = time.monotonic() + 60.0
+    while not go.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _segment_hold(where: Path, left: list[int], path: str, name: str) -> None:
+    go = where / "segment.go"
+    if go.exists():
+        return
+    left[0] -= 1
+    if left[0] >= 0:
+        return
+    (where / "segment.held").write_text(path)
     deadline = time.monotonic() + 60.0
     while not go.exists() and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -240,17 +240,23 @@ class PinnedSafetensors:
         return True
 
     def _read_exact(self, out: torch.Tensor, offset: int) -> None:
-        view, done = memoryview(out.numpy()), 0
-        while done < len(view):
-            n = os.preadv(self._fh.fileno(), [view[done:]], offset + done)
-            if n <= 0:
-                raise OSError(errno.EIO, f"{self.name} was truncated after validation")
-            done += n
+        pread_exact(self._fh.fileno(), out, offset, f"{self.name} was truncated after validation")
         if self._fstat() != self._stamp:
             raise OSError(errno.ESTALE, f"{self.name} was modified after validation")
 
     def close(self) -> None:
         self._fh.close()
+
+
+def pread_exact(fd: int, out: torch.Tensor, offset: int, short: str) -> None:
+    """Fill the contiguous CPU tensor `out` from `fd` at `offset` with pread (the GIL released:
+    reads on several threads copy at once); a file that ends first raises OSError(EIO, short)."""
+    view, done = memoryview(out.view(-1).view(torch.uint8).numpy()), 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise OSError(errno.EIO, short)
+        done += n
 
 
 def plan_checkpoint(model: torch.nn.Module, ckpt: Checkpoint) -> list[apply.Write]:

@@ -3,13 +3,16 @@
 Chunks are independent: each is planned against the live model and copied on its own, with no
 buffering and no wait for a "last" chunk. An empty bucket or list is a successful no-op. The
 decoded tensors are views of the client's memory (CUDA IPC or shared memory): every reference is
-dropped before the reply, so the client may free or reuse its buffers at once.
+dropped before the reply, so the client may free or reuse its buffers at once. For a CPU model,
+shared-memory tensors are read from their segments with pread into the parameters, through the
+sink's read threads (grctl.weights.shm_reads), not through the mapping.
 """
 
 from __future__ import annotations
 
 from grctl.errors import WeightValidationError
 from grctl.weights import apply
+from grctl.weights.shm_reads import SegmentReads
 from grctl.weights.updater import UpdateOutcome, WeightUpdater
 from grctl.weights.wire.decode import decode_payload
 
@@ -40,6 +43,8 @@ def update_from_tensor(
     named = decode_payload(first_entry(serialized_named_tensors), load_format)
     by_name = dict(named)
     direct = load_format == "direct"  # direct: parameter names (fused) with exact shapes
+    on_cpu = next(updater.model.parameters()).device.type == "cpu"
+    segments = SegmentReads(named) if on_cpu else None
     try:
         return updater.run(
             lambda: apply.plan(
@@ -50,6 +55,7 @@ def update_from_tensor(
                 allow_split=not direct,
             ),
             by_name.__getitem__,
+            read_into=segments.read_into if segments else None,
             weight_version=weight_version,
             token_step=token_step,
             flush_cache=flush_cache,
@@ -57,5 +63,7 @@ def update_from_tensor(
             catalog_path=catalog_path,
         )
     finally:
+        if segments is not None:
+            segments.close()
         named.clear()
         by_name.clear()

@@ -132,7 +132,20 @@ def rebuild_storage_filename(cls, manager, handle, size, dtype=None):
     if not is_socket:
         raise _refuse(f"{describe(real)} is not a socket")
     check_segment(handle, SHM_HEADER + size, "shared-memory")
-    return reductions.rebuild_storage_filename(torch.UntypedStorage, manager, handle, size)
+    storage = reductions.rebuild_storage_filename(torch.UntypedStorage, manager, handle, size)
+    try:
+        storage._grctl_segment = handle  # its name, for reads that bypass the mapping
+    except AttributeError:  # a torch whose storages take no attributes: read through the map
+        pass
+    return storage
+
+
+def segment_of(tensor: torch.Tensor) -> bytes | None:
+    """The name of the shared-memory segment a decoded CPU tensor lies in (None: not one a
+    payload named, or a torch that does not keep the storage's Python object)."""
+    if tensor.device.type != "cpu":
+        return None
+    return getattr(tensor.untyped_storage(), "_grctl_segment", None)
 
 
 def rebuild_typed_storage(storage, dtype):
