@@ -47,6 +47,13 @@ class OpenAIBody(Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     rid: str | None = None
     user: str | None = None
+    # a multi-stage request (docs/http-api.md "Multi-stage requests"), in grctl's spelling as
+    # extra body fields (as SGLang and vLLM take their extra sampling params): the reasoning
+    # stage, then the forced prefix; n, max_tokens, temperature, top_p, top_k, seed and
+    # use_catalog are the item stage's, and every returned beam of every sample is a choice
+    reasoning: ReasoningParams | None = None
+    forced_prefix: ForcedPrefix | None = None
+    beam_return_mode: ReturnMode | None = None
 
 
 class CompletionBody(OpenAIBody, kw_only=True):
@@ -56,13 +63,6 @@ class CompletionBody(OpenAIBody, kw_only=True):
     logprobs: Annotated[int, Meta(ge=0)] | None = None  # the chosen token's only
     echo: bool = False  # the prompt before the completion; with logprobs, its tokens' too
     suffix: str | None = None  # refused
-    # a multi-stage request (docs/http-api.md "Multi-stage requests"), in grctl's spelling as
-    # extra body fields (as SGLang and vLLM take their extra sampling params): the reasoning
-    # stage, then the forced prefix; n, max_tokens, temperature, top_p, top_k, seed and
-    # use_catalog are the item stage's, and every returned beam of every sample is a choice
-    reasoning: ReasoningParams | None = None
-    forced_prefix: ForcedPrefix | None = None
-    beam_return_mode: ReturnMode | None = None
 
 
 class ChatMessageIn(Struct, kw_only=True):
@@ -150,7 +150,7 @@ class CompletionResponse(Struct, kw_only=True):
 class TokenLogprob(Struct, kw_only=True):
     token: str = ""
     bytes: list[int] | None = None
-    logprob: float = 0.0
+    logprob: float | None = 0.0  # null: a multi-stage request's forced prefix
     top_logprobs: list[Any] = msgspec.field(default_factory=list)
 
 

@@ -96,7 +96,9 @@ def create_app(engine: Any, config: ServeConfig, tokenizer: Any | None = None) -
             "weights_checker": WeightsChecker(),
             "beam_groups": BeamGroups(config.beam_group_max_bytes, config.beam_group_ttl_s),
             "staged": StagedRuns(
-                config.engine.max_waiting_requests, config.engine.max_finished_results
+                config.engine.max_waiting_requests,
+                config.engine.max_finished_results,
+                config.engine.max_finished_result_bytes or None,
             ),
             # One thread per waiting call; enough that every queued request can be awaited.
             "waiters": anyio.CapacityLimiter(

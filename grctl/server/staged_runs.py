@@ -3,12 +3,13 @@ after it was sent (docs/http-api.md "Multi-stage requests").
 
 /submit and /submit_many queue them: each queued batch runs in a thread of its own through
 engine/stages.py (as /generate's do in its handler's thread), and its replies are kept until
-/result fetches them (/poll peeks), at most `max_finished` unfetched (the oldest go first, and
-a later fetch is a 404 saying so). /generate's are known here while they run. Either kind is
-stopped by /abort_request or /cancel naming its rid (engine/stages.Control.abort: its stage
-requests end "abort", no later stage runs) and by /abort_request abort_all; the beam groups it
-reads are named so the route clears them. At most `max_running` queued requests run at once
-(429 past it). All methods but `start`'s thread are brief and may run on the event loop.
+/result fetches them (/poll peeks), at most `max_finished` unfetched and `max_bytes` of their
+JSON (the oldest go first, never the newest; a later fetch is a 404 saying so). /generate's
+are known here while they run. Either kind is stopped by /abort_request or /cancel naming its
+rid (engine/stages.Control.abort: its stage requests end "abort", no later stage runs) and by
+/abort_request abort_all; the beam groups it reads are named so the route clears them. At most
+`max_running` queued requests run at once (429 past it). `result` waits (the route runs it in
+a worker thread); every other method is brief and may run on the event loop.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from grctl.engine.stages import Control, StagedRequest
 from grctl.errors import DuplicateRequestId, GenerateTimeout, NotFound, Overloaded
@@ -36,11 +39,12 @@ class Run:
     done: threading.Event = field(default_factory=threading.Event)
     reply: GenerateResponse | None = None
     error: BaseException | None = None
+    nbytes: int = 0  # its reply's JSON
 
 
 class StagedRuns:
-    def __init__(self, max_running: int, max_finished: int):
-        self.max_running, self.max_finished = max_running, max_finished
+    def __init__(self, max_running: int, max_finished: int, max_bytes: int | None = None):
+        self.max_running, self.max_finished, self.max_bytes = max_running, max_finished, max_bytes
         self._lock = threading.Lock()
         self._runs: OrderedDict[str, Run] = OrderedDict()
         self._evicted: OrderedDict[str, None] = OrderedDict()
@@ -107,7 +111,7 @@ class StagedRuns:
             try:
                 replies = compute(control)
                 for run, reply in zip(runs, replies, strict=True):
-                    run.reply = reply
+                    run.reply, run.nbytes = reply, len(msgspec.json.encode(reply))
             except BaseException as exc:  # every request of the batch answers it
                 for run in runs:
                     run.error = exc
@@ -122,9 +126,16 @@ class StagedRuns:
     def _evict(self) -> None:
         with self._lock:
             done = [r for r in self._runs.values() if r.kept and r.done.is_set()]
-            for run in done[: max(0, len(done) - self.max_finished)]:
+            total = sum(r.nbytes for r in done)
+            # the oldest first, never the newest
+            for run in done[:-1]:
+                over_bytes = self.max_bytes is not None and total > self.max_bytes
+                if len(done) <= self.max_finished and not over_bytes:
+                    break
                 del self._runs[run.request_id]
                 self._evicted[run.request_id] = None
+                done = done[1:]
+                total -= run.nbytes
             while len(self._evicted) > EVICTED_IDS:
                 self._evicted.popitem(last=False)
 
@@ -134,10 +145,10 @@ class StagedRuns:
             run = self._runs.get(request_id)
             if run is None and request_id in self._evicted:
                 raise NotFound(
-                    f"the result of {request_id!r} was dropped unfetched: more than "
-                    f"{self.max_finished} finished multi-stage requests were kept "
-                    "(--max-finished-results)",
-                    hint="fetch results sooner, or raise that bound",
+                    f"the result of {request_id!r} was dropped unfetched: the finished "
+                    f"multi-stage requests kept were over --max-finished-results "
+                    f"({self.max_finished}) or --max-finished-result-bytes ({self.max_bytes})",
+                    hint="fetch results sooner, or raise those bounds",
                 )
             return run if run is not None and run.kept else None
 

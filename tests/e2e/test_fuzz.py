@@ -212,7 +212,7 @@ COMPLETION_STAGE_BAD = [
 
 def multi_stage_cases() -> list[tuple[str, str, object]]:
     """Every bad multi-stage body on each route that takes one: /generate, /submit,
-    /submit_many (beside a good row: all or none) and /v1/completions."""
+    /submit_many (beside a good row: all or none) and the OpenAI routes."""
     good = {
         "input_ids": [1, 2],
         "sampling_params": {"reasoning": {"max_new_tokens": 2}, "max_new_tokens": 1},
@@ -225,6 +225,9 @@ def multi_stage_cases() -> list[tuple[str, str, object]]:
         out.append(("POST", "/submit_many", {"requests": [good, row]}))
     for extra in COMPLETION_STAGE_BAD:
         out.append(("POST", "/v1/completions", {"prompt": [1, 2], "max_tokens": 1, **extra}))
+        if "echo" not in extra and "logprobs" not in extra:
+            chat = {"messages": [{"role": "user", "content": "t1"}], "max_tokens": 1, **extra}
+            out.append(("POST", "/v1/chat/completions", chat))
     return out
 
 

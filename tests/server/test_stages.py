@@ -8,10 +8,11 @@ from __future__ import annotations
 import json
 import time
 
+import openai
 import pytest
 
 from tests.support.catalogs import TWO_LENGTH_ITEMS
-from tests.support.checkpoints import load_hf
+from tests.support.checkpoints import load_hf, with_chat_template
 from tests.support.reference import hf_token_logprobs
 
 PROMPT = [1, 2, 3, 4]
@@ -20,9 +21,14 @@ PREFIX = [9, 10]
 T1 = 0.7
 
 
+# chat's prompt is the messages' contents: "t1 t2 t3 t4" is PROMPT
+TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
 @pytest.fixture(scope="module")
 def served(checkpoint, start_server, tmp_path_factory):
-    ckpt = checkpoint(seed=0, tokenizer=True)
+    dst = tmp_path_factory.mktemp("stage-chat") / "ckpt"
+    ckpt = with_chat_template(checkpoint(seed=0, tokenizer=True), dst, TEMPLATE)
     cat = tmp_path_factory.mktemp("stage-catalog") / "items.jsonl"
     lines = [
         json.dumps({"item_id": f"i{k}", "token_ids": list(p)})
@@ -31,6 +37,7 @@ def served(checkpoint, start_server, tmp_path_factory):
     cat.write_text("\n".join(lines) + "\n")
     srv = start_server("--model-path", str(ckpt), "--catalog-jsonl", str(cat))
     with srv.client(timeout=120) as http:
+        http.url = srv.url  # for the openai package's client
         yield http, load_hf(ckpt)
 
 
@@ -391,6 +398,37 @@ def test_completions_take_the_stages_as_extra_fields(served):
     assert [c["meta_info"]["output_ids"] for c in two.json()["choices"]] == [
         b["output_ids"] for rep in ref2 for b in rep["meta_info"]["beam_results"]
     ]
+
+
+def test_the_openai_package_sends_them_as_extra_body(served):
+    http, _ = served
+    ref = generated(http, {**body(), "rid": "oa"})
+    sp = body()["sampling_params"]
+    oa = openai.OpenAI(base_url=http.url + "/v1", api_key="none", max_retries=0)
+    extra = {k: sp[k] for k in ("reasoning", "forced_prefix", "use_catalog")}
+    done = oa.completions.create(
+        model="m", prompt=PROMPT, n=3, max_tokens=3, temperature=0.0, logprobs=0,
+        extra_body={**extra, "rid": "oa"},
+    )  # fmt: skip
+    assert [c.meta_info["output_ids"] for c in done.choices] == [
+        b["output_ids"] for b in ref["meta_info"]["beam_results"]
+    ]
+    chat = oa.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "t1 t2 t3 t4"}], n=3, max_tokens=3,
+        temperature=0.0, logprobs=True, extra_body={**extra, "rid": "oa"},
+    )  # fmt: skip
+    beams = ref["meta_info"]["beam_results"]
+    assert [c.meta_info["output_ids"] for c in chat.choices] == [b["output_ids"] for b in beams]
+    for c, b in zip(chat.choices, beams, strict=True):
+        assert [t.logprob for t in c.logprobs.content] == pytest.approx(
+            b["meta_info"]["behaviour_logprobs"]
+        )
+        assert c.message.content == " ".join(f"t{t}" for t in b["output_ids"])
+        assert c.meta_info["stage_spans"] == b["meta_info"]["stage_spans"]
+    # chat has no default item length to offer: the body names it
+    bare = {"messages": [{"role": "user", "content": "t1"}], **extra}
+    r = http.post("/v1/chat/completions", json=bare)
+    assert r.status_code == 400 and "max_tokens" in r.text, r.text
 
 
 @pytest.mark.parametrize(

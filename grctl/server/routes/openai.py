@@ -109,6 +109,19 @@ async def run(
     return results, choices
 
 
+async def run_staged(state, request, body, rows, max_new_tokens: int, logprobs: bool, top: int):
+    """A multi-stage body (openai_stages.py): (rid, usage, metadata, choices)."""
+    if top:
+        raise BadRequest("top logprobs (alternatives) are not served for multi-stage requests")
+    gbody = staged_body(body, rows, max_new_tokens, logprobs)
+    reqs, _ = await offload(state, to_requests, gbody, state.tokenizer)
+    replies = await staged_to_end(state, request, reqs)
+    choices = await offload(
+        state, staged_choices, replies, state.tokenizer, body.skip_special_tokens
+    )
+    return replies[0].meta_info.id, staged_usage(replies), staged_metadata(replies), choices
+
+
 def sse(chunks: list[msgspec.Struct]) -> Stream:
     def events() -> Iterator[bytes]:
         for chunk in chunks:
@@ -145,15 +158,10 @@ async def completions(
     state.engine.check_batch_fits(num_prompts(body))  # before a prompt is tokenized
     rows = await offload(state, completion_prompts, body, state.tokenizer)
     if is_staged(body):
-        if top:
-            raise BadRequest("logprobs > 0 (alternatives) is not served for multi-stage requests")
-        reqs, _ = await offload(state, to_requests, staged_body(body, rows), state.tokenizer)
-        replies = await staged_to_end(state, request, reqs)
-        choices = await offload(
-            state, staged_choices, replies, state.tokenizer, body.skip_special_tokens
+        logprobs = body.logprobs is not None
+        rid, usage, metadata, choices = await run_staged(
+            state, request, body, rows, body.max_tokens, logprobs, top
         )
-        rid, usage = replies[0].meta_info.id, staged_usage(replies)
-        metadata = staged_metadata(replies)
     else:
         results, choices = await run(
             state, request, body, rows, body.max_tokens, body.logprobs is not None, top, body.echo
@@ -214,11 +222,22 @@ async def chat_completions(
     top = top_logprobs_of(body.top_logprobs, body.logprobs, "top_logprobs")
     cfg = state.config.engine
     max_new = body.max_completion_tokens or body.max_tokens
-    if max_new is None:  # the server's limit, within the context left after the prompt
-        max_new = max(1, min(cfg.max_new_tokens, state.engine.max_context_len - len(prompt)))
-    results, choices = await run(state, request, body, [prompt], max_new, body.logprobs, top)
+    if is_staged(body):
+        if max_new is None:
+            raise BadRequest(
+                "a multi-stage chat request needs max_tokens (or max_completion_tokens): the "
+                "item stage's length"
+            )
+        rid, usage, metadata, choices = await run_staged(
+            state, request, body, [prompt], max_new, body.logprobs, top
+        )
+    else:
+        if max_new is None:  # the server's limit, within the context left after the prompt
+            max_new = max(1, min(cfg.max_new_tokens, state.engine.max_context_len - len(prompt)))
+        results, choices = await run(state, request, body, [prompt], max_new, body.logprobs, top)
+        rid, usage, metadata = results[0].request_id, usage_of(results), metadata_of(results)
     head = {
-        "id": f"chatcmpl-{results[0].request_id}",
+        "id": f"chatcmpl-{rid}",
         "created": created_now(),
         "model": body.model,
     }
@@ -234,9 +253,7 @@ async def chat_completions(
             )
             for c in choices
         ]
-        reply = ChatCompletionResponse(
-            **head, choices=out, usage=usage_of(results), metadata=metadata_of(results)
-        )
+        reply = ChatCompletionResponse(**head, choices=out, usage=usage, metadata=metadata)
         return Response(reply)
     # Per choice, as SGLang streams: the role, the content, then the finish on its own.
     chunks: list[msgspec.Struct] = []
@@ -255,7 +272,7 @@ async def chat_completions(
         ):
             chunks.append(ChatCompletionChunk(**head, choices=[choice]))
     if body.stream_options and body.stream_options.include_usage:
-        chunks.append(ChatCompletionChunk(**head, choices=[], usage=usage_of(results)))
+        chunks.append(ChatCompletionChunk(**head, choices=[], usage=usage))
     return sse(chunks)
 
 

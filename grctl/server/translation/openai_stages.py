@@ -1,7 +1,8 @@
-"""Multi-stage requests on /v1/completions (docs/http-api.md "Multi-stage requests"): the body's
-grctl fields (reasoning, forced_prefix, beam_return_mode) make it /generate's multi-stage body
-over the same prompts, run as /generate runs it; each reply's returned beams become choices,
-best first within each reasoning sample, samples in order, prompts in order."""
+"""Multi-stage requests on the OpenAI routes (docs/http-api.md "Multi-stage requests"): the
+body's grctl fields (reasoning, forced_prefix, beam_return_mode) make it /generate's
+multi-stage body over the same prompts (chat's: its rendered prompt), run as /generate runs it;
+each reply's returned beams become choices, best first within each reasoning sample, samples in
+order, prompts in order."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ from typing import Any
 
 from grctl.errors import ValidationError
 from grctl.protocol.generate import GenerateBody, GenerateResponse, SamplingParamsBody
-from grctl.protocol.openai import ChoiceMeta, CompletionBody, Metadata, Usage
+from grctl.protocol.openai import ChoiceMeta, CompletionBody, Metadata, OpenAIBody, Usage
 from grctl.server.translation.openai import FINISH_REASONS, Choice, decode, token_text
 
 
-def is_staged(body: CompletionBody) -> bool:
+def is_staged(body: OpenAIBody) -> bool:
     if body.reasoning is None:
         if body.forced_prefix is not None or body.beam_return_mode is not None:
             raise ValidationError(
@@ -21,15 +22,17 @@ def is_staged(body: CompletionBody) -> bool:
                 "reasoning with them"
             )
         return False
-    if body.echo:
+    if isinstance(body, CompletionBody) and body.echo:
         raise ValidationError("echo is not served for multi-stage requests")
     return True
 
 
-def staged_body(body: CompletionBody, rows: list[list[int]]) -> GenerateBody:
+def staged_body(
+    body: OpenAIBody, rows: list[list[int]], max_new_tokens: int, logprobs: bool
+) -> GenerateBody:
     """/generate's body for the same work: the item stage from the OpenAI fields."""
     sp = SamplingParamsBody(
-        max_new_tokens=body.max_tokens,
+        max_new_tokens=max_new_tokens,
         n=body.n,
         temperature=body.temperature,
         top_p=body.top_p,
@@ -53,7 +56,7 @@ def staged_body(body: CompletionBody, rows: list[list[int]]) -> GenerateBody:
     return GenerateBody(
         input_ids=list(rows) if batch else rows[0],
         sampling_params=sp,
-        return_logprob=body.logprobs is not None,
+        return_logprob=logprobs,
         rid=rid,
     )
 
