@@ -187,3 +187,30 @@ def test_the_demo_json():
     assert "E[r]" in out.stderr and "exact E[r]" in out.stderr
     first = doc["steps"][0]
     assert 0.02 < first["exact_reward"] < 0.15 and first["kl_ref"] == pytest.approx(0, abs=1e-9)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_other_demos_json(tmp_path):
+    """--json on the weight-sync demo and the one-stage loop: one document on stdout each, the
+    weight-sync demo's restored output equal to the built-in model's first one."""
+    out = grctl("demo", "--json", timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    doc = json.loads(out.stdout)
+    assert doc["command"] == "demo" and doc["ok"] and doc["mode"] == "weight-sync"
+    versions = [s["weight_version"] for s in doc["steps"]]
+    assert versions == ["builtin", "perturbed", "restored"]
+    assert doc["steps"][2]["output_ids"] == doc["steps"][0]["output_ids"]
+    assert doc["summary"]["total_s"] > 0
+    plot = str(tmp_path / "curve.png")
+    out = grctl(
+        "demo", "--rl", "--steps", "2", "--group", "2", "--json", "--plot", plot, timeout=280
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    doc = json.loads(out.stdout)
+    assert doc["mode"] == "rl" and [s["weight_version"] for s in doc["steps"]] == [
+        "step-0",
+        "step-1",
+    ]
+    assert doc["steps"][0]["kl_ref"] == pytest.approx(0.0, abs=1e-9)
+    assert doc["summary"]["max_first_ratio_gap"] < 1e-4

@@ -108,12 +108,16 @@ def rollout(
     for user, reply in zip(users, replies, strict=True):
         meta = reply.meta_info
         by_group: dict[int, list[Beam]] = {}
+        reasoning_lps: dict[int, list[float]] = {}  # the same on every beam of a group
         for b in meta.beam_results:
             bm = b.meta_info
             spans = {s.kind: (s.start, s.end) for s in bm.stage_spans or ()}
             start, end = spans["searched"]
             item = tuple(b.output_ids[start:end])
             z = b.output_ids[slice(*spans["sampled"])]
+            reasoning_lps.setdefault(
+                bm.group_index, bm.behaviour_logprobs[slice(*spans["sampled"])]
+            )
             by_group.setdefault(bm.group_index, []).append(
                 Beam(
                     item,
@@ -129,10 +133,8 @@ def rollout(
                 whole = whole_support_of(g)
             except ValueError:
                 continue
-            z = list(g.reasoning_ids)
-            lps = [b.meta_info.behaviour_logprobs for b in meta.beam_results
-                   if b.meta_info.group_index == g.index][0][: len(z)]  # fmt: skip
-            out.append(Reasoning(user, z, list(lps), by_group[g.index], whole, g.weight_version))
+            z, lps = list(g.reasoning_ids), list(reasoning_lps[g.index])
+            out.append(Reasoning(user, z, lps, by_group[g.index], whole, g.weight_version))
     return out
 
 
