@@ -193,9 +193,10 @@ def same_version(a: object, b: object) -> bool:
 
 
 def plan_delta(updater: WeightUpdater, vdir: Path, root: Path | None = None):
-    """Inside the update's turn: check the base, parse every tensor's delta and verify the
-    state it makes (delta_patch.py), plan the writes. Returns (writes, patches by name); raises
-    before any write."""
+    """Inside the update's turn: check the base, parse every tensor's delta (bounds, sizes,
+    names), plan the writes. Returns (writes, {name: (the served view, its patch, the checksum
+    of its new state)}, the checksum format); raises before any write. The checksums are the
+    caller's to check (update_from_delta)."""
     index = read_index(vdir, root)
     meta = index["metadata"]
     versions = updater.versions
@@ -216,12 +217,12 @@ def plan_delta(updater: WeightUpdater, vdir: Path, root: Path | None = None):
     found = each_tensor(
         vdir,
         index,
-        lambda st, sums, name: _apply_one(st, sums, name, enc, algorithm, meta, cfg, params),
+        lambda st, sums, name: _parse_one(st, sums, name, enc, meta, cfg, params),
         root,
     )
-    views = {name: cur for name, (cur, _) in found.items()}
+    views = {name: cur for name, (cur, _, _) in found.items()}
     writes = apply.plan_against(cfg, params, apply.specs_of(views.items()), require_full=False)
-    return writes, {name: patch for name, (_, patch) in found.items()}
+    return writes, found, algorithm
 
 
 def each_tensor(vdir: Path, index: dict, decode, root: Path | None = None) -> dict:
@@ -253,19 +254,17 @@ def each_tensor(vdir: Path, index: dict, decode, root: Path | None = None) -> di
     return out
 
 
-def _apply_one(st, sums, name, enc, algorithm, meta, cfg, params):
-    """One tensor's delta parsed and checked against the served tensor it patches, without a
-    copy of it (delta_patch.py): (the live view, the patch)."""
+def _parse_one(st, sums, name, enc, meta, cfg, params):
+    """One tensor's delta read and parsed against the served tensor it patches: (the live view,
+    the patch, the checksum of its new state). Checked later, all at once (check_all)."""
     target = resolve(name, cfg)
     if target is None or target.param_name not in params:
         raise ValidationError(f"delta names {name!r}: not a tensor of the served model")
     param = params[target.param_name]
     cur = param[target.row_start : target.row_end] if target.is_shard else param
-    base = cur.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy()
-    payload = payload_of(st, sums, name, meta, base.size)
-    patch = delta_patch.parse(name, enc, payload, base.size, cur.element_size())
-    delta_patch.check(name, algorithm, base, patch, sums[name])
-    return cur, patch
+    nbytes = cur.numel() * cur.element_size()
+    payload = payload_of(st, sums, name, meta, nbytes)
+    return cur, delta_patch.parse(name, enc, payload, nbytes, cur.element_size()), sums[name]
 
 
 def payload_of(st, sums, name, meta, nbytes: int) -> np.ndarray:
@@ -308,24 +307,74 @@ def update_from_delta(
     root: Path | None = None,
     **options,
 ) -> UpdateOutcome:
-    """Apply one delta version through the updater (its turn, exclusive section, labels): every
-    tensor checked first, then only its changed elements written, in the pause; `root`
-    (--weights-root) confines every file it opens."""
-    held: dict[str, delta_patch.Patch] = {}
+    """Apply one delta version through the updater (its turn, exclusive section, labels).
 
-    def validate():
-        writes, patches = plan_delta(updater, vdir, root)
-        held.update(patches)
-        return writes
-
-    def write(name: str, dst: torch.Tensor) -> bool:
-        delta_patch.write(dst, held[name])
-        return True
-
-    def fetch(name: str) -> torch.Tensor:
-        raise AssertionError(f"{name!r}: a delta writes in place")  # write() takes every one
-
+    CPU weights of a paused engine: each tensor patched in place and hashed in one pass
+    (delta_patch.patch_checked: one read of it, a write of the lines the delta touches); if any
+    checksum differs, every tensor written is restored before the update is refused (409), so
+    nothing changed. A serving engine, or weights on another device: every tensor checked
+    first while the engine serves (the served bytes patched chunk by chunk in a buffer), then
+    the engine is held only while the changed elements are written. `root` (--weights-root)
+    confines every file it opens."""
+    run = _DeltaApply(updater, vdir, root)
     # is_full: the delta's version is the whole model (the tensors it leaves are unchanged in it)
     return updater.run(
-        validate, fetch, read_into=write, weight_version=weight_version, is_full=True, **options
+        run.validate,
+        run.fetch,
+        read_into=run.write,
+        after_copy=run.after_copy,
+        weight_version=weight_version,
+        is_full=True,
+        **options,
     )
+
+
+class _DeltaApply:
+    def __init__(self, updater: WeightUpdater, vdir: Path, root: Path | None):
+        self.updater, self.vdir, self.root = updater, vdir, root
+        self.found: dict[str, tuple[torch.Tensor, delta_patch.Patch, str]] = {}
+        self.algorithm, self.in_place = "", False
+        self.done: list[tuple[str, np.ndarray, delta_patch.Patch, np.ndarray | None]] = []
+        self.mismatched: list[str] = []  # list.append is atomic: writes run on threads
+
+    def validate(self) -> list[apply.Write]:
+        writes, self.found, self.algorithm = plan_delta(self.updater, self.vdir, self.root)
+        # one pass in the hold when nothing is served meanwhile anyway (the caller paused);
+        # else the check runs first, while the engine serves, and the hold only writes
+        on_cpu = all(w.dst.device.type == "cpu" and w.dst.is_contiguous() for w in writes)
+        self.in_place = on_cpu and self.updater.engine.gate.is_paused
+        written = {w.name for w in writes}
+        # checked before the pause: everything off the CPU, and any tensor the plan writes
+        # through another name (a tied head beside its embedding)
+        first = [(n, *self.found[n]) for n in self.found if not self.in_place or n not in written]
+        delta_patch.check_all(self.algorithm, first, apply.read_workers())
+        return writes
+
+    def write(self, name: str, dst: torch.Tensor) -> bool:
+        _, patch, want = self.found[name]
+        if not self.in_place:
+            delta_patch.write(dst, patch)
+            return True
+        live = delta_patch.host_bytes(dst)  # the parameter's own bytes (a contiguous CPU view)
+        got, saved = delta_patch.patch_checked(self.algorithm, live, patch)
+        self.done.append((name, live, patch, saved))
+        if got != want:
+            self.mismatched.append(name)
+        return True
+
+    def after_copy(self) -> None:
+        """A checksum that differed: every tensor written put back, then the refusal."""
+        if not self.mismatched:
+            return
+        try:
+            for _, live, patch, saved in reversed(self.done):
+                delta_patch.restore(live, patch, saved)
+        except Exception as exc:  # not put back: the tensors it wrote are torn
+            raise apply.WeightCopyError(
+                f"a delta's checksum differed and its writes could not be undone: {exc}",
+                touched=tuple(name for name, *_ in self.done),
+            ) from exc
+        raise delta_patch.mismatch(sorted(self.mismatched)[0])
+
+    def fetch(self, name: str) -> torch.Tensor:
+        raise AssertionError(f"{name!r}: a delta writes in place")  # write() takes every one

@@ -1,18 +1,21 @@
-"""A delta applied in place: checked against its checksum without a copy of the tensor, then
-only the changed elements written.
+"""A delta applied in place, without a copy of any tensor, and checked against its checksums.
 
 delta.decode builds each new tensor whole (a copy of the served tensor, then the changes) and
-the update copies it over the served one: two passes over every byte of every tensor a step
-touched, plus a checksum over the copy, for a delta that changes 2 % of them. Here the new
-state is never materialised: the checksum runs over the served bytes in cache-sized chunks,
-each patched on the way (a copy of one chunk, not of the model), and the update writes only the
-changed elements (`sparse`, `overwrite`) or xors the payload in (`xor`). The rules are
-grctl/weights/delta.py's: every tensor of the version is decoded and checked before anything is
-written, so a bad delta changes nothing; nothing here runs in the engine's pause but the writes.
+an update would copy it over the served one: passes over every byte of every tensor a step
+touched, for a delta that changes 2 % of them. Here the new state is never materialised. On
+the CPU (`patch_checked`) the served tensor is patched in place chunk by chunk, each chunk hashed
+right after its patch while it is in cache, the replaced values kept: one read of the tensor
+and a write of the lines the delta touches, the least a checksum of the whole new state allows.
+A tensor whose checksum then differs is put back from the kept values (`restore`), with every
+other tensor the version wrote, before anything else runs, so a bad delta changes nothing;
+nothing but this runs while the engine is held. Elsewhere (a CUDA tensor) the checksum runs
+first over the served bytes copied to the host and patched chunk by chunk (`check_all`), then
+only the changed elements are written (`write`).
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,12 +23,12 @@ import torch
 
 from grctl.errors import Conflict, ValidationError
 
-CHUNK = 1 << 20  # bytes hashed per patched chunk: stays in cache
+CHUNK = 1 << 18  # bytes hashed per patched chunk: stays in cache (256 KiB measured best)
 
 
 @dataclass
 class Patch:
-    """One tensor's delta, parsed and bounds-checked: `pos` (sorted element positions of
+    """One tensor's delta, parsed and bounds-checked: `pos` (sorted u4 element positions of
     `width` bytes) and `values`, or for xor the whole `xor` payload."""
 
     encoding: str
@@ -68,7 +71,7 @@ def parse(name: str, encoding: str, payload: np.ndarray, nbytes: int, width: int
         if bool(np.any(pos[1:] == pos[:-1])):  # the last write of a position wins
             keep = np.append(pos[1:] != pos[:-1], True)
             pos, values = pos[keep], values[keep]
-    return Patch(encoding, w, pos=pos.astype(np.int64), values=values)
+    return Patch(encoding, w, pos=pos, values=values)  # u4 positions: numpy indexes with them
 
 
 def _as_units(data: np.ndarray, width: int) -> np.ndarray:
@@ -77,6 +80,15 @@ def _as_units(data: np.ndarray, width: int) -> np.ndarray:
     if width in (1, 2, 4, 8):
         return data.view(f"<u{width}")
     return data.reshape(-1, width)
+
+
+def _chunk_ends(pos: np.ndarray, per_chunk: int, units: int) -> np.ndarray:
+    """For each chunk of `per_chunk` units, the index in `pos` of its first position past it
+    (one search for all chunks; the edges in pos's own dtype, so pos is not cast)."""
+    edges = np.arange(per_chunk, units + per_chunk, per_chunk, dtype=np.int64)
+    if units >= 1 << 32:  # past u4: search in int64 (pos is cast, once)
+        return np.searchsorted(pos.astype(np.int64), edges)
+    return np.searchsorted(pos, np.minimum(edges, units).astype(pos.dtype))
 
 
 def hasher(algorithm: str):
@@ -127,30 +139,98 @@ def checksum_after(algorithm: str, base: np.ndarray, patch: Patch) -> str:
     nbytes, w = base.size, patch.width
     step = max(w, CHUNK // w * w)
     buf = np.empty(min(step, nbytes), np.uint8)
-    lo_i = 0
-    for start in range(0, nbytes, step):
+    pos = patch.pos if patch.pos is not None and patch.pos.size else None
+    if pos is not None:  # each chunk's first position: one search for all of them
+        ends = _chunk_ends(pos, step // w, nbytes // w)
+    lo = 0
+    for k, start in enumerate(range(0, nbytes, step)):
         end = min(start + step, nbytes)
         chunk = buf[: end - start]
         np.copyto(chunk, base[start:end])
         if patch.xor is not None:
             np.bitwise_xor(chunk, patch.xor[start:end], out=chunk)
-        elif patch.pos is not None and patch.pos.size:
-            hi_i = int(np.searchsorted(patch.pos, end // w, side="left"))
-            if hi_i > lo_i:
-                units = _as_units(chunk, w)
-                units[patch.pos[lo_i:hi_i] - start // w] = patch.values[lo_i:hi_i]
-            lo_i = hi_i
+        elif pos is not None:
+            hi = int(ends[k])
+            if hi > lo:
+                _as_units(chunk, w)[pos[lo:hi] - start // w] = patch.values[lo:hi]
+            lo = hi
         h.update(memoryview(chunk))
     return h.hexdigest()
 
 
+def check_all(algorithm: str, items: list, workers: int = 1) -> None:
+    """check() each (name, served tensor, patch, expected checksum) on `workers` threads (the
+    hashes, copies and scatters release the GIL), the largest tensors first; raises the first
+    mismatch. A tensor's host bytes are taken in its own turn (a CUDA tensor's copy lives only
+    while it is checked)."""
+    order = sorted(items, key=lambda it: it[1].numel() * it[1].element_size(), reverse=True)
+
+    def one(item) -> None:
+        name, tensor, patch, expected = item
+        check(name, algorithm, host_bytes(tensor), patch, expected)
+
+    if workers <= 1 or len(order) <= 1:
+        for item in order:
+            one(item)
+        return
+    with ThreadPoolExecutor(min(workers, len(order))) as pool:
+        for done in [pool.submit(one, item) for item in order]:
+            done.result()
+
+
+def host_bytes(t: torch.Tensor) -> np.ndarray:
+    """A tensor's bytes as a flat uint8 array (no copy of a contiguous CPU tensor)."""
+    return t.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy()
+
+
 def check(name: str, algorithm: str, base: np.ndarray, patch: Patch, expected: str) -> None:
     if checksum_after(algorithm, base, patch) != expected:
-        raise Conflict(
-            f"tensor {name!r} after the delta does not match its checksum: the delta was made "
-            "against other weights than the served ones, or it is corrupt",
-            hint="nothing was written; sync a whole checkpoint, then deltas against it",
-        )
+        raise mismatch(name)
+
+
+def mismatch(name: str) -> Conflict:
+    return Conflict(
+        f"tensor {name!r} after the delta does not match its checksum: the delta was made "
+        "against other weights than the served ones, or it is corrupt",
+        hint="nothing was written; sync a whole checkpoint, then deltas against it",
+    )
+
+
+def patch_checked(algorithm: str, live: np.ndarray, patch: Patch) -> tuple[str, np.ndarray | None]:
+    """Apply `patch` to `live` (a served tensor's uint8 bytes) in place, hashing each chunk once
+    it is patched: (the checksum of the new bytes, the values the patch replaced, for
+    `restore`; None for xor, which undoes itself)."""
+    h = hasher(algorithm)
+    nbytes, w = live.size, patch.width
+    step = max(w, CHUNK // w * w)
+    pos = patch.pos if patch.pos is not None and patch.pos.size else None
+    saved = None
+    if pos is not None:
+        assert patch.values is not None
+        saved = np.empty_like(patch.values)
+        ends = _chunk_ends(pos, step // w, nbytes // w)
+    units, lo = _as_units(live, w), 0
+    for k, start in enumerate(range(0, nbytes, step)):
+        chunk = live[start : start + step]
+        if patch.xor is not None:
+            np.bitwise_xor(chunk, patch.xor[start : start + step], out=chunk)
+        elif pos is not None:
+            hi = int(ends[k])
+            if hi > lo:  # the chunk's positions, absolute: no index arithmetic, no temporaries
+                at = pos[lo:hi]
+                np.take(units, at, axis=0, out=saved[lo:hi])
+                units[at] = patch.values[lo:hi]
+            lo = hi
+        h.update(memoryview(chunk))
+    return h.hexdigest(), saved
+
+
+def restore(live: np.ndarray, patch: Patch, saved: np.ndarray | None) -> None:
+    """Undo patch_checked: the replaced values back (or the xor applied again)."""
+    if patch.xor is not None:
+        np.bitwise_xor(live, patch.xor, out=live)
+    elif saved is not None and patch.pos is not None:
+        _as_units(live, patch.width)[patch.pos] = saved
 
 
 def write(dst: torch.Tensor, patch: Patch) -> None:
@@ -166,6 +246,6 @@ def write(dst: torch.Tensor, patch: Patch) -> None:
     if flat.device.type == "cpu":
         _as_units(flat.numpy(), patch.width)[patch.pos] = patch.values
         return
-    pos = torch.from_numpy(patch.pos).to(flat.device)
+    pos = torch.from_numpy(patch.pos.astype(np.int64)).to(flat.device)
     vals = torch.from_numpy(np.ascontiguousarray(patch.values).view(np.uint8)).to(flat.device)
     flat.view(-1, patch.width)[pos] = vals.view(-1, patch.width)

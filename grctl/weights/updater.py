@@ -98,6 +98,7 @@ class WeightUpdater:
         fetch: Callable[[str], torch.Tensor],
         *,
         read_into: Callable[[str, torch.Tensor], bool] | None = None,
+        after_copy: Callable[[], None] | None = None,
         weight_version: str | None,
         token_step: int | str | None = None,
         flush_cache: bool = True,
@@ -112,7 +113,10 @@ class WeightUpdater:
         released. `is_full`: the source is a whole checkpoint (every tensor takes the label).
         `on_refusal` runs when the update is refused before its copy, before the refusal is
         raised: a broadcast source still takes what the trainer sent. `catalog_path`: the
-        catalog of these weights, built first and installed with them."""
+        catalog of these weights, built first and installed with them. `after_copy` runs in
+        the exclusive section right after the copy: a source that checks what it wrote (a
+        delta's checksums over the patched bytes) raises there a refusal once it has put back
+        every byte it changed, and the update is refused with nothing relabelled or torn."""
         t0 = time.perf_counter()
         # A handler thread: receives, rebuilt IPC tensors and copies go to the model's device.
         bind_thread(next(self.model.parameters()).device)
@@ -131,6 +135,8 @@ class WeightUpdater:
                 raise
             try:
                 loaded = apply.copy(writes, fetch, read_into, apply.read_workers()) if writes else 0
+                if after_copy is not None:
+                    after_copy()
             except WeightCopyError as exc:
                 self.versions.tear(exc.touched)
                 self._tell_engine(None)

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from safetensors.torch import save_file as save_torch
 
 from grctl.client.delta import DeltaPublisher, pull_weights
-from grctl.weights.delta import INDEX, checksum, version_dir
+from grctl.weights.delta import INDEX, checksum, encode, version_dir
 from tests.support.checkpoints import write_checkpoint
 from tests.support.serverproc import assert_error, running_server
 
@@ -169,6 +169,41 @@ def test_malformed_delta_is_400_and_changes_nothing(env, synced, tmp_path, case,
     assert torch.equal(served(srv, NORM), before) and torch.equal(
         served(srv, "lm_head.weight"), good
     )
+
+
+@pytest.mark.parametrize("paused", [True, False])
+def test_a_checksum_that_differs_changes_no_tensor(env, synced, paused):
+    """lm_head's delta is right, the norm's checksum is wrong. Paused, each CPU tensor is
+    patched in place and hashed in one pass: lm_head is written, then both are put back;
+    serving, the checks run before any write. Either way nothing changed and nothing is torn."""
+    srv, root, _ = env
+    http = srv.client()
+    if paused:
+        assert http.post("/pause_generation", json={"mode": "abort"}).status_code == 200
+    before = http.post("/weights_checker", json={"action": "checksum"}).json()["tensors"]
+    norm, lm = served(srv, NORM), served(srv, "lm_head.weight")
+    new_lm = lm.clone().reshape(-1)
+    new_lm[::7] += 1.0
+    lm_old, lm_new = lm.reshape(-1).view(torch.uint8).numpy(), new_lm.view(torch.uint8).numpy()
+    new_norm = norm.clone()
+    new_norm[3] += 1.0
+    nb = new_norm.view(torch.uint8).numpy()
+    payloads = {
+        "lm_head.weight": encode("sparse", lm_new, lm_old, 4),
+        NORM: encode("sparse", nb, norm.view(torch.uint8).numpy(), 4),
+    }
+    sums = {"lm_head.weight": checksum("sha256", lm_new), NORM: checksum("sha256", nb[::-1])}
+    src = root / f"wrongsum-{paused}"
+    write_delta(version_dir(src, 4), payloads, sums, "sparse")
+    r = http.post("/pull_weights", json={"source_dir": str(src), "target_version": 4})
+    assert f"tensor {NORM!r} after the delta" in assert_error(r, 409, "conflict")["message"]
+    if paused:
+        assert http.post("/continue_generation", json={}).status_code == 200
+    assert label(srv) == "3"
+    assert http.post("/weights_checker", json={"action": "checksum"}).json()["tensors"] == before
+    assert http.get("/ready").status_code == 200  # nothing torn: it serves
+    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}
+    assert http.post("/generate", json=body).status_code == 200
 
 
 def test_pull_refuses_paths_outside_the_root_and_missing_versions(env, synced):

@@ -77,3 +77,23 @@ def test_a_wrong_checksum_is_refused_and_the_base_is_left_alone():
     with pytest.raises(Conflict):
         delta_patch.check("t", "sha256", old, patch, delta.checksum("sha256", old))
     assert np.array_equal(old, before)
+
+
+@pytest.mark.parametrize("chunk", [7, 4096, 1 << 18])
+@pytest.mark.parametrize(
+    ("encoding", "width"), [("sparse", 2), ("sparse", 4), ("overwrite", 1), ("xor", 1)]
+)
+def test_patch_checked_writes_the_new_bytes_and_restore_puts_back_the_old(
+    monkeypatch, chunk, encoding, width
+):
+    monkeypatch.setattr(delta_patch, "CHUNK", chunk)
+    old, new = pair(30_011, width, seed=3)
+    patch = delta_patch.parse(
+        "t", encoding, delta.encode(encoding, new, old, width), old.size, width
+    )
+    live = old.copy()
+    got, saved = delta_patch.patch_checked("xxh3-128", live, patch)
+    assert np.array_equal(live, new)
+    assert got == reference_checksum("xxh3-128", new)
+    delta_patch.restore(live, patch, saved)
+    assert np.array_equal(live, old)
