@@ -133,13 +133,18 @@ def toy_server(start_server, task, tmp_path_factory):
 
 @pytest.mark.slow
 def test_served_behaviour_logprobs_are_the_enumerated_policy(toy_server, task, model):
-    """Before any push the server holds the toy's initial weights: every reasoning's and every
-    item's behaviour logprob is the enumeration's, so the exact E[r] is the served policy's."""
+    """The toy's initial weights pushed from memory as the loop pushes them: every reasoning's
+    and every item's behaviour logprob is the enumeration's, so the exact E[r] is the served
+    policy's."""
     from grctl.cli.rl.two_stage_loop import rollout
     from grctl.client.http import GRClient
+    from grctl.client.sync import WeightSync
 
+    with WeightSync(toy_server.url) as sync:
+        sync.run(model.state_dict(), weight_version="initial")
     with GRClient(toy_server.url) as gr:
         groups = rollout(gr, task, reasoning_n=3, beams=4, seed=5)
+    assert {g.weight_version for g in groups} == {"initial"}
     assert len(groups) == 3 * task.num_users
     zs = reasonings()
     tables = all_logprobs(model, task)
