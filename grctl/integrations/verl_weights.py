@@ -21,11 +21,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from grctl.client.http import GRClient
-from grctl.integrations.verl import MISSING, server_url, settings
+from grctl.integrations.verl_rollout import MISSING, server_url, settings
 
 try:
     from verl.workers.rollout.base import BaseRollout
-except ImportError:  # importable without verl (grctl.integrations.verl.register says why)
+except ImportError:  # importable without verl (grctl.integrations.verl.replica_class says why)
     BaseRollout = object  # type: ignore[assignment,misc]
 
 

@@ -79,7 +79,7 @@ def rollout_config(url: str, defaults: dict | None = None) -> SimpleNamespace:
 
 def agent_loop(verl_gr, url: str, tokenizer, defaults: dict | None = None):
     """verl-GR's agent loop, its server manager grctl's verl server actor."""
-    from grctl.integrations.verl import GrctlServer
+    from grctl.integrations.verl_rollout import GrctlServer
 
     server = GrctlServer(url, rollout_config(url, defaults), 0, None)
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from grctl.integrations.verl import GrctlServer, server_url
+from grctl.integrations.verl_rollout import GrctlServer, server_url
 
 
 def rollout(tp: int = 1, dp: int = 1, pp: int = 1, **grctl) -> SimpleNamespace:
