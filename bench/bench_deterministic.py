@@ -2,7 +2,7 @@
 kernels in the same run.
 
     python bench/bench_deterministic.py [--preset cpu|gpu] [--prompts 24] [--min-len 64]
-        [--max-len 512] [--new-tokens 3] [--repeats 3]
+        [--max-len 512] [--new-tokens 3] [--repeats 3] [--threads N]
 
 bench_generate.py's model (preset cpu: the 29M Qwen3 in float32; gpu: Qwen3-0.6B's shape in
 bf16 on CUDA), in process. A rollout: --prompts prompts of lengths uniform in [min, max], beam
@@ -78,7 +78,10 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     load_start = os.getloadavg()
     preset = PRESETS[args.preset]
     _, model = build(preset["shape"], dtypes.SERVED_DTYPES[preset["dtype"]], preset["device"])

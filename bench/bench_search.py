@@ -9,12 +9,25 @@ the selection alone on random logits (no model: the figure least moved by a load
 of --repeats searches, one torch thread). Prints one JSON object.
 
     python bench/bench_search.py [--repeats 5] [--requests 128] [--width 1] [--device cuda]
+    python bench/bench_search.py --wide 2048 [--repeats 2] [--threads N]
+
+`--wide PROMPT` measures only the anchors' widths (xLLM's beam 512 x top_k 512, 262,144
+candidates a round): bench_generate.py's cpu model (29M Qwen3, vocab 8,192, fp32), one prompt of
+PROMPT tokens at beam 1, 256, 512 and 1,024 (3 new tokens, ignore_eos: each beam ranks `width`
+candidates, so beam 512 ranks 512 x 512 a round), interleaved, best of --repeats. Each width's
+wall and CPU time (this process, all threads) over beam 1's beside its FLOP floor (bench/flops.py:
+the ratio of the two requests' FLOPs), over beam 256's beside that floor, the selection's own
+CPU ms per decode step (beam_select.step timed inside the run) and how many tokens of each row
+the selection ranked at each decode step (search/row_budget.py); then the selection alone on
+random logits at beam 512 and 1,024 (one thread, best of --repeats), with the row pruning and
+with each row's own top K. On a loaded machine run it with --threads 1 and read the CPU times.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -24,12 +37,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.bench_generate import PRESETS, build  # noqa: E402
+from bench.flops import request_flops  # noqa: E402
 from grctl.engine.config import EngineConfig  # noqa: E402
 from grctl.engine.engine import Engine  # noqa: E402
 from grctl.engine.request import GenerateRequest, SamplingParams  # noqa: E402
-from grctl.engine.search import beam_select  # noqa: E402
+from grctl.engine.search import beam_select, candidates, row_budget  # noqa: E402
 from grctl.engine.search.beam import Beams  # noqa: E402
+from grctl.model import dtypes  # noqa: E402
 from grctl.weights.loader import load_model  # noqa: E402
+
+WIDE = (1, 256, 512, 1024)
 
 
 def run(eng: Engine, reqs: list[GenerateRequest]) -> float:
@@ -104,14 +122,16 @@ def select_share(eng: Engine, num: int, width: int, new_tokens: int, stochastic:
     }
 
 
-def select_synthetic(num: int, width: int, repeats: int, vocab: int = 1024, steps: int = 5) -> dict:
+def select_synthetic(
+    num: int, width: int, repeats: int, vocab: int = 1024, steps: int = 5, temps=(0.0, 1.0)
+) -> dict:
     """beam_select.step alone for `num` requests of `width` beams on random logits [rows, vocab],
     ms per decode step (the prefill step left out), best of `repeats` searches."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     out = {"requests": num, "width": width, "vocab": vocab, "threads": 1}
     try:
-        for temp in (0.0, 1.0):
+        for temp in temps:
             best = float("inf")
             for r in range(repeats):
                 sp = [
@@ -137,6 +157,83 @@ def select_synthetic(num: int, width: int, repeats: int, vocab: int = 1024, step
     return out
 
 
+def wide(prompt_len: int, repeats: int, new_tokens: int = 3) -> dict:
+    """The anchors' widths at one prompt, beside the FLOP floor and beam 256, in one run."""
+    preset = PRESETS["cpu"]
+    _, model = build(preset["shape"], dtypes.SERVED_DTYPES[preset["dtype"]], "cpu")
+    cfg = model.config
+    eng = Engine(model, EngineConfig(max_beam_width=max(WIDE), max_new_tokens=new_tokens))
+    gen = torch.Generator().manual_seed(2)
+    prompt = tuple(torch.randint(0, cfg.vocab_size, (prompt_len,), generator=gen).tolist())
+    step, top, sel, ranked = beam_select.step, candidates.row_top, [], []
+
+    def timed(logits, blocks):
+        t = time.process_time()
+        step(logits, blocks)
+        sel.append((sum(b.num_rows for b in blocks), time.process_time() - t))
+
+    def counted(xr, *args):
+        values, cols = top(xr, *args)
+        ranked.append((xr.shape[0], values.shape[1]))
+        return values, cols
+
+    wall: dict[int, list[float]] = {w: [] for w in WIDE}
+    cpu: dict[int, list[float]] = {w: [] for w in WIDE}
+    select_ms: dict[int, list[float]] = {w: [] for w in WIDE}
+    per_row: dict[int, list[int]] = {w: [] for w in WIDE}
+    beam_select.step, candidates.row_top = timed, counted
+    try:
+        for _ in range(repeats):
+            for w in WIDE:
+                sp = SamplingParams(n=w, max_new_tokens=new_tokens, ignore_eos=True)
+                eng.cache.clear()
+                sel.clear()
+                ranked.clear()
+                c = time.process_time()
+                wall[w].append(run(eng, [GenerateRequest(prompt, sp)]))
+                cpu[w].append(time.process_time() - c)
+                decode = [s for rows, s in sel if rows == w]  # the decode steps' selections
+                select_ms[w].append(1e3 * statistics.mean(decode) if decode else 0.0)
+                per_row[w] = [kk for rows, kk in ranked if rows == w]
+    finally:
+        beam_select.step, candidates.row_top = step, top
+    flops = {w: request_flops(cfg, prompt_len, w, new_tokens) for w in WIDE}
+    out: dict = {"prompt_len": prompt_len, "new_tokens": new_tokens, "repeats": repeats}
+    for w in WIDE[1:]:
+        floor_1, floor_256 = flops[w] / flops[1], flops[w] / flops[256]
+        entry: dict = {"candidates_per_beam": w, "flop_floor_over_beam_1": round(floor_1, 3)}
+        for name, times in (("wall", wall), ("cpu", cpu)):
+            best = {v: min(t) for v, t in times.items()}
+            entry[name] = {
+                "best_s": round(best[w], 3),
+                "median_s": round(statistics.median(times[w]), 3),
+                "over_beam_1": round(best[w] / best[1], 3),
+                "over_floor": round(best[w] / best[1] / floor_1, 3),
+                "over_beam_256": round(best[w] / best[256], 3),
+            }
+        entry["flop_floor_over_beam_256"] = round(floor_256, 3)
+        entry["select_cpu_ms_per_decode_step"] = round(min(select_ms[w]), 1)
+        entry["ranked_per_row_by_decode_step"] = per_row[w]  # row_budget.row_top's width
+        out[f"beam_{w}"] = entry
+    out["beam_1"] = {"wall_best_s": round(min(wall[1]), 3), "cpu_best_s": round(min(cpu[1]), 3)}
+    # the selection alone on random logits, with the row pruning and with each row's top K
+    prune_from, alone = row_budget.PRUNE_FROM, {}
+    for name, value in (("pruned", prune_from), ("top_k_per_row", 1 << 62)):
+        row_budget.PRUNE_FROM = value
+        try:
+            alone[name] = {
+                f"beam_{w}": select_synthetic(1, w, repeats, cfg.vocab_size, 4, (0.0,))[
+                    "deterministic"
+                ]["select_ms_per_step"]
+                for w in WIDE[2:]
+            }
+        finally:
+            row_budget.PRUNE_FROM = prune_from
+    out["selection_alone_ms_per_step"] = {"threads": 1, "vocab": cfg.vocab_size, **alone}
+    out["target_over_floor"] = 1.1
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=5)
@@ -145,7 +242,18 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=3)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--wide", type=int, metavar="PROMPT", help="only the anchors' widths")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.wide:
+        load = os.getloadavg()
+        result = wide(args.wide, args.repeats)
+        result["threads"] = torch.get_num_threads()
+        result["load_average"] = {"start": load, "end": os.getloadavg()}
+        print(json.dumps(result, indent=1))
+        return
     torch.manual_seed(0)
     model = load_model(None, args.device)
     eng = Engine(model, EngineConfig(max_running_requests=args.requests, max_beam_width=64))

@@ -1,6 +1,6 @@
 """Knobs: a config field declared once, with its help line, help panel and bounds.
 
-    max_beam_width: int = knob(256, "Largest n (beam width).", "Scheduling", min=1)
+    max_beam_width: int = knob(1024, "Largest n (beam width).", "Scheduling", min=1)
 
 Everything else is derived from that one declaration: the `grctl serve` flag is the field name
 with dashes (`--max-beam-width`), its environment variable is GR_<FLAG> (`GR_MAX_BEAM_WIDTH`),

@@ -70,7 +70,7 @@ class EngineConfig:
         min=0,
         aliases=("--context-length",),  # SGLang's name
     )
-    max_beam_width: int = knob(256, "Largest n (beam width).", "Scheduling", min=1)
+    max_beam_width: int = knob(1024, "Largest n (beam width).", "Scheduling", min=1)
     max_new_tokens: int = knob(64, "Largest max_new_tokens a request may ask.", "Scheduling", min=1)
     prefill_token_budget: int = knob(
         8192,

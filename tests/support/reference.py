@@ -94,3 +94,42 @@ def hf_token_logprobs(
         logits = model(torch.tensor([ids])).logits[0].double()
     lp = torch.log_softmax(logits / temperature, dim=-1)
     return [lp[t - 1, ids[t]].item() for t in range(start, len(ids))]
+
+
+def brute_force_beams(
+    hf: transformers.Qwen3ForCausalLM, prompt: list[int], width: int, steps: int
+) -> tuple[list[tuple[int, ...]], torch.Tensor]:
+    """The best `width` sequences of `steps` tokens, step by step over all width x vocab
+    continuations (every beam's full-vocabulary log_softmax added to its score, the best `width`
+    of all of them), scored by transformers' float64 log_softmax: (sequences, scores) best first."""
+    vocab = hf.config.vocab_size
+    seqs = torch.tensor([prompt])
+    scores = torch.zeros(1, dtype=torch.float64)
+    for _ in range(steps):
+        with torch.no_grad():
+            logits = hf(seqs, attention_mask=torch.ones_like(seqs)).logits[:, -1]
+        cand = scores[:, None] + torch.log_softmax(logits.double(), -1)
+        top, flat = cand.flatten().topk(width)
+        seqs = torch.cat((seqs[flat // vocab], (flat % vocab)[:, None]), 1)
+        scores = top
+    return [tuple(s[len(prompt) :].tolist()) for s in seqs], scores
+
+
+def assert_beams_match(
+    got: list[tuple[tuple[int, ...], float]], want: tuple[list[tuple[int, ...]], torch.Tensor]
+) -> None:
+    """`got` (output ids, sequence score) of a float32 search, best first, against
+    brute_force_beams: distinct, the same scores, and the same sequences but those within
+    rounding of the width-th score (float32 against float64 may swap them, nothing else)."""
+    seqs, scores = want
+    width = len(seqs)
+    assert len(got) == width and len({ids for ids, _ in got}) == width
+    ours = torch.tensor([s for _, s in got], dtype=torch.float64)
+    assert torch.allclose(ours.sort(descending=True).values, scores, atol=1e-3)
+    ref = dict(zip(seqs, scores.tolist(), strict=True))
+    edge = scores[-1].item() + 1e-3
+    missing = [(ids, s) for ids, s in got if ids not in ref]
+    assert all(s <= edge for _, s in missing)
+    assert len(missing) <= width // 50
+    for ids, s in got[:16]:  # the best are the reference's best, with its scores
+        assert ids in ref and abs(ref[ids] - s) < 1e-3

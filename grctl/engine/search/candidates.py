@@ -23,6 +23,7 @@ import torch
 
 from grctl.catalog import min_length
 from grctl.engine.search import sampler
+from grctl.engine.search.row_budget import row_top
 from grctl.engine.search.row_tops import RowTops
 from grctl.engine.search.segments import segment_topk
 
@@ -132,7 +133,7 @@ def _collect_group(
     m = xr.shape[1]
     if kind == "det":
         kk = min(max(b.num_candidates for b in g.beams), m)
-        lp, col = xr.topk(kk, dim=-1)
+        lp, col = row_top(xr, row_lse, p_score, g.num_rows, kk)  # wide beams: far fewer
         score = p_score[:, None] + (lp - row_lse)
         key = score
         # the behaviour distribution: the processed log-probabilities renormalised
