@@ -78,14 +78,13 @@ def test_the_enumeration_is_transformers_one_sequence_at_a_time(task, model):
 
 
 def test_exact_reward_and_kl_by_hand(task, model):
-    pol = all_logprobs(model, task)
+    pol = [joint_logprobs(model, task, 0)]
     values, kls = exact(pol, pol, task)
-    assert kls == pytest.approx([0.0] * task.num_users, abs=1e-12)
-    lz, lq = pol[0]
-    zs = reasonings()
+    assert kls == pytest.approx([0.0], abs=1e-12)
+    lz, lq = pol[0][0].tolist(), pol[0][1].tolist()
     want = sum(
-        math.exp(lz[i] + lq[i, j]) * (y[0] in z)
-        for i, z in enumerate(zs)
+        math.exp(lz[i] + lq[i][j]) * (y[0] in z)
+        for i, z in enumerate(reasonings())
         for j, y in enumerate(task.items)
     )
     assert values[0] == pytest.approx(want, rel=1e-9)
