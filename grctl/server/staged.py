@@ -7,12 +7,15 @@ with its beam_index's beam (docs/http-api.md "Beam groups")."""
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import msgspec
 from litestar.datastructures import State
 
 from grctl.engine import stages
 from grctl.engine.stages import StagedRequest
+from grctl.errors import ValidationError
 from grctl.protocol.generate import GenerateResponse
 from grctl.server.translation.stage_replies import staged_response
 
@@ -63,9 +66,20 @@ def check_stages(engine, req: StagedRequest) -> None:
     ran to its longest (so a prefix past the vocabulary, a width over the limit or a context
     past --max-context-len is a 400 at once, not after stage 1)."""
     g = stages.Group(req, 0)
-    engine.validate(g.stage_request(1))  # first: it bounds the reasoning before a context
+    with _in_stage("the reasoning stage (stage 1)"):  # first: it bounds the reasoning
+        engine.validate(g.stage_request(1))
     longest = (*req.input_ids, *[0] * req.reasoning.max_new_tokens, *req.prefix_ids)
-    engine.validate(g.stage_request(2, longest))
+    with _in_stage("the item stage (stage 2, after the longest reasoning and the prefix)"):
+        engine.validate(g.stage_request(2, longest))
+
+
+@contextmanager
+def _in_stage(stage: str) -> Iterator[None]:
+    """A refusal of a stage's request says which stage: its knobs may not be named as sent."""
+    try:
+        yield
+    except ValidationError as exc:
+        raise ValidationError(f"{stage}: {exc.message}", hint=exc.hint) from None
 
 
 def check_all(state: State, reqs: list[StagedRequest]) -> None:

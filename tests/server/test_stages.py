@@ -224,6 +224,13 @@ def test_beam_groups_are_computed_once_and_served_by_index(served):
         ({"reasoning": {"temperature": -1}}, "reasoning"),
         ({"reasoning": {"n": 10**9}}, "reasoning"),
         ({"beam_group_id": "x" * 300}, "beam_group_id"),
+        # the engine's own checks of each stage's request say which stage they refused
+        ({"reasoning": {"max_new_tokens": 65}}, "the reasoning stage (stage 1): max_new_tokens"),
+        ({"reasoning": {"max_new_tokens": 4}, "n": 10**4}, "the item stage (stage 2"),
+        (
+            {"reasoning": {"max_new_tokens": 10}, "forced_prefix": {"ids": [9] * 500}},
+            "the item stage (stage 2, after the longest reasoning and the prefix): prompt of 514",
+        ),
     ],
 )
 def test_bad_multi_stage_bodies_are_400(served, sp, says):
