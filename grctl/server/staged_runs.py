@@ -46,28 +46,39 @@ class StagedRuns:
     def __init__(self, max_running: int, max_finished: int, max_bytes: int | None = None):
         self.max_running, self.max_finished, self.max_bytes = max_running, max_finished, max_bytes
         self._lock = threading.Lock()
-        self._runs: OrderedDict[str, Run] = OrderedDict()
+        self._runs: OrderedDict[str, Run] = OrderedDict()  # queued ones, by id
+        # /generate's while they run: several under one id only when each reads the same beam
+        # group (verl-GR names every call of a group by the group's id)
+        self._tracked: dict[str, list[Run]] = {}
         self._evicted: OrderedDict[str, None] = OrderedDict()
         # a beam group being computed -> the control and request id computing it
         self._computing: dict[str, tuple[Control, str]] = {}
 
     def __contains__(self, request_id: str) -> bool:
         with self._lock:
-            return request_id in self._runs
+            return request_id in self._runs or request_id in self._tracked
 
     def refuse_taken(self, request_ids: list[str | None]) -> None:
         """A one-stage request may not take a multi-stage request's id."""
         with self._lock:
-            taken = next((r for r in request_ids if r in self._runs), None)
+            taken = next((r for r in request_ids if r in self._runs or r in self._tracked), None)
         if taken is not None:
             raise DuplicateRequestId(f"request id {taken!r} is already in use")
+
+    def _is_taken(self, req: StagedRequest, kept: bool, is_known) -> bool:
+        rid = req.request_id
+        if rid in self._runs or is_known(rid):
+            return True
+        others = self._tracked.get(rid, [])
+        # another call of the same beam group may share the id; anything else may not
+        return bool(others) and (kept or not req.group_ids or others[0].group_ids != req.group_ids)
 
     def _add(self, reqs: list[StagedRequest], control: Control, kept: bool, is_known) -> list[Run]:
         ids = [r.request_id for r in reqs]
         if len(set(ids)) != len(ids):
             raise DuplicateRequestId("the batch repeats a request id; nothing was queued")
         with self._lock:
-            taken = next((r for r in ids if r in self._runs or is_known(r)), None)
+            taken = next((r.request_id for r in reqs if self._is_taken(r, kept, is_known)), None)
             if taken is not None:
                 raise DuplicateRequestId(f"request id {taken!r} is already in use")
             if kept:
@@ -80,7 +91,10 @@ class StagedRuns:
                     )
             runs = [Run(r.request_id, control, r.group_ids, kept) for r in reqs]
             for run in runs:
-                self._runs[run.request_id] = run
+                if kept:
+                    self._runs[run.request_id] = run
+                else:
+                    self._tracked.setdefault(run.request_id, []).append(run)
                 self._evicted.pop(run.request_id, None)
             return runs
 
@@ -93,8 +107,11 @@ class StagedRuns:
         finally:
             with self._lock:
                 for run in runs:
-                    if self._runs.get(run.request_id) is run:
-                        del self._runs[run.request_id]
+                    others = self._tracked.get(run.request_id, [])
+                    if run in others:
+                        others.remove(run)
+                    if not others:
+                        self._tracked.pop(run.request_id, None)
 
     def start(
         self,
@@ -191,18 +208,25 @@ class StagedRuns:
         """Abort a running request (its stages end "abort"), and the computation of any beam
         group it reads; the group ids it reads (to clear), or None when no such request runs."""
         with self._lock:
-            run = self._runs.get(request_id)
-            if run is None or run.done.is_set():
+            runs = [*self._tracked.get(request_id, ())]
+            kept = self._runs.get(request_id)
+            if kept is not None and not kept.done.is_set():
+                runs.append(kept)
+            if not runs:
                 return None
-            owners = [self._computing[g] for g in run.group_ids if g in self._computing]
-        run.control.abort(engine, request_id)
+            groups = tuple(dict.fromkeys(g for run in runs for g in run.group_ids))
+            owners = [self._computing[g] for g in groups if g in self._computing]
+        for run in runs:
+            run.control.abort(engine, request_id)
         for control, owner in owners:
             control.abort(engine, owner)
-        return run.group_ids
+        return groups
 
     def abort_all(self, engine: Any) -> int:
+        """Abort every running request; how many ids that was."""
         with self._lock:
             runs = [r for r in self._runs.values() if not r.done.is_set()]
+            runs += [r for rs in self._tracked.values() for r in rs]
         for run in runs:
             run.control.abort(engine, run.request_id)
-        return len(runs)
+        return len({r.request_id for r in runs})

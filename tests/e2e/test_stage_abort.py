@@ -176,21 +176,28 @@ def test_an_abort_inside_the_items_keeps_no_threshold(held):
     assert whole_support_of(wm) is False and whole_support_of(wm["stage_groups"][0]) is False
 
 
-def test_an_abort_clears_the_beam_group_it_computes(held):
+@pytest.mark.parametrize("naming", ["own rids", "verl-GR's"])
+def test_an_abort_clears_the_beam_group_it_computes(held, naming):
+    """verl-GR names every call of a group by the group's id (its agent loop's request_id):
+    the calls share it, and an abort of it reaches all of them."""
     where, http = held
     arm(where)
-    grp = {"beam_group_id": "ab-grp", "beam_index": 0}
+    gid = f"ab-grp-{len(naming)}"
+    grp = {"beam_group_id": gid, "beam_index": 0}
+    rids = ["ab-g0", "ab-g1"] if naming == "own rids" else [gid, gid]
     out: list = []
-    b = body("ab-g0", **grp)
+    b = body(rids[0], **grp)
     t = threading.Thread(target=lambda: out.append(http.post("/generate", json=b)))
     t.start()
     wait_for(lambda: (where / "after_reasoning.held").exists(), "never held")
     # a second call of the group waits for the first's computation
     late: list = []
-    b1 = body("ab-g1", **{**grp, "beam_index": 1})
+    b1 = body(rids[1], **{**grp, "beam_index": 1})
     t1 = threading.Thread(target=lambda: late.append(http.post("/generate", json=b1)))
     t1.start()
-    abort(http, "ab-g1")  # aborting the waiting call stops the group's computation
+    if naming == "verl-GR's":  # both calls are known under the one id before the abort
+        time.sleep(0.5)
+    abort(http, rids[1])  # aborting the waiting call stops the group's computation
     (where / "after_reasoning.go").write_text("")
     t.join(60)
     t1.join(60)
@@ -199,7 +206,7 @@ def test_an_abort_clears_the_beam_group_it_computes(held):
         meta = reply[0].json()["meta_info"]
         assert meta["finish_reason"]["type"] == "abort" and meta["beam_results"] == []
     # the group is gone: the id may name another request (a kept group would be a 409)
-    other = body("ab-g2", items=2, **grp)
+    other = body(f"ab-g2-{len(naming)}", items=2, **grp)
     other["input_ids"] = PROMPT + [7]
     r = http.post("/generate", json=other)
     assert r.status_code == 200, r.text

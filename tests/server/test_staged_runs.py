@@ -150,3 +150,27 @@ def test_an_abort_reaches_the_run_and_the_group_it_waits_for():
     assert runs.result(runs.get("a"), 10.0) is not None
     assert runs.abort(engine, "a") is None  # finished: nothing to abort
     assert runs.abort(engine, "nobody") is None
+
+
+def test_calls_of_one_beam_group_may_share_an_id():
+    """verl-GR names each call of a group by the group's id: /generate's calls of one group
+    share it, and an abort of it reaches each; another group, or a queued request, may not."""
+    runs, engine = StagedRuns(max_running=4, max_finished=8), Engine()
+    one, two = Control(), Control()
+    with runs.tracked([staged("g", group="g")], one, unknown):
+        with runs.tracked([staged("g", group="g")], two, unknown):
+            with pytest.raises(DuplicateRequestId):
+                with runs.tracked([staged("g", group="other")], Control(), unknown):
+                    pass
+            with pytest.raises(DuplicateRequestId):
+                runs.start([staged("g", group="g")], lambda _c: [GenerateResponse()], unknown)
+            with pytest.raises(DuplicateRequestId):
+                runs.refuse_taken(["g"])
+            assert runs.abort(engine, "g") == ("g",)
+            assert one.is_aborted("g") and two.is_aborted("g")
+        assert "g" in runs
+    assert "g" not in runs and runs.abort(engine, "g") is None
+    with pytest.raises(DuplicateRequestId):  # without a group an id is one request's
+        with runs.tracked([staged("x")], Control(), unknown):
+            with runs.tracked([staged("x")], Control(), unknown):
+                pass
