@@ -7,8 +7,9 @@ i.i.d. draws of the policy (deterministic beams are no draws at all; stochastic 
 without replacement, so unlikely items are over-represented), so neither the mean nor the
 gradient sum_s A_s grad log q(s) estimates E_q[r] or its gradient without bias: the mean of
 k distinct beams weighs each item once whatever its probability. tests/rl/test_two_stage.py
-measures the bias on a toy; the unbiased forms are estimators.py's unordered set weights (one
-stage) and two_stage.py (reason, then recommend).
+measures the bias on a toy (bench/bench_estimators.py: the figures the docs give); the
+unbiased forms are estimators.py's unordered set weights (one stage) and two_stage.py (reason,
+then recommend).
 
 Sibling-relative (V-STAR's Sibling-GRPO, arXiv 2602.10699, as its description reads: the
 advantage of a branching decision relative to the siblings that share its trie prefix): the
