@@ -144,6 +144,26 @@ def excluded_nodes(catalog: Catalog, item_ids: tuple, min_depth: int = 0) -> np.
     return np.array(sorted(out), np.int64)
 
 
+def unknown_ids(catalog: Catalog, item_ids: tuple) -> list:
+    """The excluded ids, as sent and in order, that name no item of the catalog (the reply
+    lists them: a history item the catalog no longer holds, or a typo)."""
+    index = _index_of(catalog)
+    if index.is_int:
+        keys = [_as_int(x) for x in item_ids]
+        valid = [k is not None for k in keys]
+        query = np.array([k for k in keys if k is not None], np.int64)
+    else:
+        enc = [str(x).encode() for x in item_ids]
+        valid = [len(e) <= index.width for e in enc]
+        query = np.array([e for e, ok in zip(enc, valid, strict=True) if ok], f"S{index.width}")
+    found = np.zeros(len(query), bool)
+    if len(index.sorted) and len(query):
+        at = np.minimum(np.searchsorted(index.sorted, query), len(index.sorted) - 1)
+        found = index.sorted[at] == query
+    hits = iter(found.tolist())
+    return [x for x, ok in zip(item_ids, valid, strict=True) if not (ok and next(hits))]
+
+
 def excluded_set(catalog: Catalog, item_ids: tuple) -> set:
     """The excluded ids as the catalog spells them (ints, or strings), to filter item_results."""
     index = _index_of(catalog)

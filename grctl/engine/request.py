@@ -108,6 +108,7 @@ class GenerateResult:
     # stochastic beams: the (k+1)-th largest Gumbel key (None: the whole support was drawn)
     gumbel_threshold: float | None = None
     text: TextOptions = field(default_factory=TextOptions)  # the request's
+    unknown_exclude_item_ids: list = field(default_factory=list)  # sent, naming no item
     extra: dict = field(default_factory=dict)
 
     def version_spans(self, num_tokens: int) -> list[tuple[str, int, int]]:

@@ -34,12 +34,14 @@ class Sequence:
         catalog: Catalog | None = None,  # taken at submit: the request keeps this version
         banned: torch.Tensor | None = None,  # the catalog's nodes its exclude_item_ids close
         excluded: frozenset = frozenset(),  # those ids, as the catalog spells them
+        unknown_excluded: tuple = (),  # the ids it excludes that name no item, as sent
         item_start: ItemStart = ROOT,  # where its item starts: the root, or a partial item
     ):
         self.request_id = request_id
         self.catalog = catalog
         self.banned = banned
         self.excluded = excluded
+        self.unknown_excluded = unknown_excluded
         self.item_start = item_start
         self.req = req
         self.prompt_key = tuple(req.input_ids)  # the prefix cache's key
@@ -166,6 +168,7 @@ class Sequence:
             text=self.req.text,
             beam_width=self.req.sampling.beam_width,
             gumbel_threshold=self.beams.gumbel_threshold if self.beams else None,
+            unknown_exclude_item_ids=list(self.unknown_excluded),
         )
 
     def _item_results(self, beams: list[BeamResult]) -> list[ItemResult] | None:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from grctl.catalog.exclusions import excluded_nodes, excluded_set
+from grctl.catalog.exclusions import excluded_nodes, excluded_set, unknown_ids
 from grctl.catalog.resume import ROOT, ItemStart, item_start
 from grctl.engine import prompt_logprobs
 from grctl.engine.request import GenerateRequest
@@ -194,12 +194,13 @@ def _check_stop_strings(req: GenerateRequest) -> None:
 def excluded_of(
     req: GenerateRequest, catalog: Catalog | None, device: torch.device, start_depth: int = 0
 ) -> tuple:
-    """(the catalog nodes a request's exclude_item_ids close, on the device, and those ids as
-    the catalog spells them); (None, frozenset()) when it excludes nothing. A request whose
-    item starts at `start_depth` counts only the items min_new_tokens leaves it."""
+    """(the catalog nodes a request's exclude_item_ids close, on the device, those ids as
+    the catalog spells them, and the ids it sent that name no item); (None, frozenset(), ())
+    when it excludes nothing. A request whose item starts at `start_depth` counts only the
+    items min_new_tokens leaves it."""
     ids = req.sampling.exclude_item_ids
     if not ids:
-        return None, frozenset()
+        return None, frozenset(), ()
     if catalog is None:
         raise ValidationError(
             "exclude_item_ids needs the served item catalog",
@@ -211,7 +212,7 @@ def excluded_of(
         )
     min_depth = start_depth + req.sampling.min_new_tokens
     nodes = torch.from_numpy(excluded_nodes(catalog, ids, min_depth)).to(device)
-    return nodes, frozenset(excluded_set(catalog, ids))
+    return nodes, frozenset(excluded_set(catalog, ids)), tuple(unknown_ids(catalog, ids))
 
 
 def item_start_of(req: GenerateRequest, catalog: Catalog | None) -> ItemStart:

@@ -23,8 +23,10 @@ TokenId = Annotated[int, Meta(ge=0)]
 
 
 class SamplingParamsBody(Struct, kw_only=True, forbid_unknown_fields=True):
-    # 0: prefill only (prompt scoring with logprob_start_len, or warming the prefix cache)
-    max_new_tokens: Annotated[int, Meta(ge=0)] = 1
+    # 0: prefill only (prompt scoring with logprob_start_len, or warming the prefix cache);
+    # unset: the catalog's depth for catalog beams, else SGLang's 128, within --max-new-tokens
+    # and the context left (server/translation/length_default.py)
+    max_new_tokens: Annotated[int, Meta(ge=0)] | None = None
     # grctl's form: n is the beam width, every beam returned. SGLang's: beam_width W searches W
     # beams and returns the best n <= W.
     n: PosInt = 1
@@ -235,6 +237,8 @@ class MetaInfo(Struct, kw_only=True):
     item_results: list[ItemResultOut] | None = None
     catalog_version: int | None = None
     item_prefix_len: int | None = None  # with a catalog: the prompt tokens its item resumed
+    # the exclude_item_ids the catalog holds no item of (each excluded nothing), as sent
+    unknown_exclude_item_ids: list[int | str] | None = None
     # stochastic beams: the (k+1)-th largest Gumbel key of the search, k the beams returned;
     # null when fewer than k + 1 sequences could be drawn (the whole support was); absent for
     # other requests and for an aborted one (finish_reason abort: no estimator applies)

@@ -24,6 +24,9 @@ LONG = {"max_new_tokens": 64, "n": 64, "ignore_eos": True}
 
 FLAGS = ["--max-http-request-bytes", str(LIMIT), "--max-running-requests", "1"]
 FLAGS += ["--max-waiting-requests", "2", "--generate-timeout-s", "0.3", "--log-requests"]
+# one token: a default request runs to --max-new-tokens, which may pass the 0.3 s timeout
+ONE = {"max_new_tokens": 1}
+ONE_TOKEN = b'{"max_new_tokens": 1}}'
 FLAGS += ["--log-format", "json"]
 ENV = {"GR_HTTP_API_KEY": KEY}
 
@@ -125,12 +128,12 @@ def test_oversize_chunked_body_refused_while_reading(srv):
     # httpx sends a generator body chunked too; a small one is read whole.
     resp = httpx.post(srv.url + "/generate", headers=GOOD, content=(b" " * 1024 for _ in range(8)))
     assert_error(resp, 413, "payload_too_large")
-    small = (part for part in (b'{"input_ids": ', b"[1, 2]}"))
+    small = (part for part in (b'{"input_ids": ', b'[1, 2], "sampling_params": ', ONE_TOKEN))
     assert httpx.post(srv.url + "/generate", headers=GOOD, content=small).status_code == 200
 
 
 def test_body_just_under_the_limit_is_read(http):
-    body = {"input_ids": [1, 2], "padding": "x" * (LIMIT - 100)}
+    body = {"input_ids": [1, 2], "sampling_params": ONE, "padding": "x" * (LIMIT - 150)}
     assert len(json.dumps(body)) < LIMIT
     assert http.post("/generate", json=body).status_code == 200
     assert_error(http.post("/generate", json={**body, "more": "y" * 200}), 413, "payload_too_large")
@@ -162,7 +165,7 @@ def test_a_batch_larger_than_the_waiting_queue_is_a_400_on_an_idle_server(http):
     many = {"requests": [{"input_ids": ids} for ids in three]}
     err = assert_error(http.post("/submit_many", json=many), 400, "validation_error")
     assert "(2, --max-waiting-requests)" in err["message"]
-    two = http.post("/generate", json={"input_ids": three[:2]})  # the limit itself fits
+    two = http.post("/generate", json={"input_ids": three[:2], "sampling_params": ONE})
     assert two.status_code == 200 and len(two.json()) == 2
 
 
@@ -175,7 +178,8 @@ def test_healthy_after_everything(request, server):
             assert time.monotonic() < deadline, http.get("/ready").text
             time.sleep(0.05)
         assert http.get("/health").json() == {"ok": True}
-        assert http.post("/generate", json={"input_ids": [1, 2, 3]}).status_code == 200
+        one = {"input_ids": [1, 2, 3], "sampling_params": ONE}
+        assert http.post("/generate", json=one).status_code == 200
         assert_error(http.get("/poll/x"), 404, "not_found")
 
 

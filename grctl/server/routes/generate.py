@@ -40,6 +40,7 @@ from grctl.server.openapi import error_responses
 from grctl.server.params import seconds
 from grctl.server.staged import check_all, run_staged, submit_staged
 from grctl.server.translation.generate import is_parallel, to_requests, to_response
+from grctl.server.translation.length_default import LengthDefault
 
 
 async def run_to_end(state: State, reqs: list[GenerateRequest]) -> list[GenerateResult]:
@@ -82,7 +83,12 @@ async def generate(
     state: State, request: Request, data: Annotated[GenerateBody | None, Body()] = None
 ) -> GenerateResponse | list[GenerateResponse]:
     reqs, is_batch = await offload(
-        state, to_requests, data or GenerateBody(), state.tokenizer, state.config.parallel_sampling
+        state,
+        to_requests,
+        data or GenerateBody(),
+        state.tokenizer,
+        state.config.parallel_sampling,
+        LengthDefault.of_engine(state.engine),
     )
     if reqs and isinstance(reqs[0], StagedRequest):  # to_requests: all of a batch, or none
         replies = await staged_to_end(state, request, reqs)
@@ -107,7 +113,14 @@ def responses(results: list[GenerateResult], tokenizer) -> list[GenerateResponse
 async def submit(
     state: State, data: Annotated[GenerateBody | None, Body()] = None
 ) -> SubmitResponse:
-    reqs, is_batch = await offload(state, to_requests, data or GenerateBody(), state.tokenizer)
+    reqs, is_batch = await offload(
+        state,
+        to_requests,
+        data or GenerateBody(),
+        state.tokenizer,
+        False,
+        LengthDefault.of_engine(state.engine),
+    )
     if is_batch:
         raise BadRequest("/submit takes one prompt", hint="use /submit_many for a batch")
     if isinstance(reqs[0], StagedRequest):
@@ -143,7 +156,8 @@ def queue_all(state: State, bodies: list[GenerateBody]) -> list[str]:
     each row's exclusions). The multi-stage rows run as one batch of their own (staged.py),
     started once the others are queued."""
     engine = state.engine
-    reqs = [one_request(b, state.tokenizer) for b in bodies]
+    lengths = LengthDefault.of_engine(engine)
+    reqs = [one_request(b, state.tokenizer, lengths) for b in bodies]
     staged = [r for r in reqs if isinstance(r, StagedRequest)]
     plain = [r for r in reqs if not isinstance(r, StagedRequest)]
     for req in plain:  # every row passes the engine's own checks before any is queued
@@ -168,8 +182,8 @@ def queue_all(state: State, bodies: list[GenerateBody]) -> list[str]:
     return ids
 
 
-def one_request(body: GenerateBody, tokenizer) -> GenerateRequest:
-    reqs, is_batch = to_requests(body, tokenizer)
+def one_request(body: GenerateBody, tokenizer, lengths: LengthDefault) -> GenerateRequest:
+    reqs, is_batch = to_requests(body, tokenizer, lengths=lengths)
     if is_batch:
         raise BadRequest("each /submit_many request takes one prompt, not a batch")
     return reqs[0]

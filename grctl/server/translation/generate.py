@@ -24,6 +24,7 @@ from grctl.protocol.generate import (
     StrictMetaInfo,
     WeightVersionSpan,
 )
+from grctl.server.translation.length_default import FREE, LengthDefault
 from grctl.server.translation.sampling import (
     check_body,
     sampling_of,
@@ -71,10 +72,14 @@ def per_prompt(value: Any, n: int, what: str) -> list[Any]:
 
 
 def to_requests(
-    body: GenerateBody, tokenizer: Any | None = None, parallel_sampling: bool = False
+    body: GenerateBody,
+    tokenizer: Any | None = None,
+    parallel_sampling: bool = False,
+    lengths: LengthDefault = FREE,
 ) -> tuple[list[GenerateRequest], bool]:
     """Validate a /generate body: its requests (each with an id), and whether it is a batch.
-    parallel_sampling (--parallel-sampling): n without beam_width is n samples (SGLang)."""
+    parallel_sampling (--parallel-sampling): n without beam_width is n samples (SGLang);
+    `lengths`: max_new_tokens where a request leaves it out."""
     if body.stream:
         raise ValidationError("stream is not supported; send stream=false and read the reply")
     rows, is_batch = prompt_rows(body, tokenizer)
@@ -97,7 +102,7 @@ def to_requests(
         sp = with_custom_params(sp)
         req = GenerateRequest(
             input_ids=tuple(row),
-            sampling=sampling_of(body, sp),
+            sampling=sampling_of(body, sp, lengths.of(sp.use_catalog, len(row))),
             return_logprob=body.return_logprob,
             request_id=rid or new_request_id(),
             top_logprobs_num=body.top_logprobs_num,
@@ -379,6 +384,7 @@ def to_response(result: GenerateResult, tokenizer: Any | None = None) -> Generat
         catalog_version=result.catalog_version,
         kv_recomputed_at=result.kv_recomputed_at or None,
         item_prefix_len=result.item_prefix_len,
+        unknown_exclude_item_ids=result.unknown_exclude_item_ids or None,
         gumbel_threshold=result.gumbel_threshold if is_gumbel(result) else msgspec.UNSET,
         **_mask_fields(top, result.text),
     )

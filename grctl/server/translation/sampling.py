@@ -16,6 +16,7 @@ from grctl.engine.request import SamplingParams, TextOptions
 from grctl.engine.search.logits_processors import parse_logits_processors
 from grctl.errors import ValidationError
 from grctl.protocol.generate import GenerateBody, SamplingParamsBody
+from grctl.server.translation.length_default import FREE
 
 # sampling_params keys grctl does not implement -> the values that change nothing
 _NEUTRAL: dict[str, tuple] = {
@@ -137,13 +138,20 @@ def with_custom_params(sp: SamplingParamsBody) -> SamplingParamsBody:
     return merged
 
 
-def sampling_of(body: GenerateBody, sp: SamplingParamsBody) -> SamplingParams:
+def _first_set(*values: int | None) -> int:
+    return next(v for v in values if v is not None)
+
+
+def sampling_of(
+    body: GenerateBody, sp: SamplingParamsBody, max_new_tokens: int | None = None
+) -> SamplingParams:
+    """`max_new_tokens`: the default (length_default.py) where `sp` leaves it out."""
     refuse_unimplemented(sp, _NEUTRAL, "sampling_params")
     if sp.seed is not None and sp.sampling_seed is not None and sp.seed != sp.sampling_seed:
         raise ValidationError("seed and sampling_seed differ; send one of them")
     stop = sp.stop if isinstance(sp.stop, list) else [sp.stop] if sp.stop is not None else []
     return SamplingParams(
-        max_new_tokens=sp.max_new_tokens,
+        max_new_tokens=_first_set(sp.max_new_tokens, max_new_tokens, FREE.of(sp.use_catalog, 0)),
         n=sp.n,
         beam_width=sp.beam_width,
         temperature=sp.temperature,

@@ -14,6 +14,7 @@ from grctl.engine.validation import check_length_penalty, check_temperature, che
 from grctl.errors import ValidationError
 from grctl.protocol.generate import GenerateBody, SamplingParamsBody
 from grctl.protocol.stages import BeamSearchParams, DecodeConfig, DecodePhase
+from grctl.server.translation.length_default import SGLANG_DEFAULT
 
 GRCTL_KEYS = ("reasoning",)
 SHARED_KEYS = ("forced_prefix", "beam_return_mode", "beam_group_id", "beam_index")
@@ -192,7 +193,9 @@ def _verl_gr(sp: SamplingParamsBody, items: SamplingParams, tokenizer: Any | Non
     bsp = sp.beam_search_params or BeamSearchParams()
     stop = _first(rc.stop, sp.stop)
     reasoning = SamplingParams(
-        max_new_tokens=_first(rc.max_tokens, sp.stage1_max_tokens, sp.max_new_tokens),
+        max_new_tokens=_first(
+            rc.max_tokens, sp.stage1_max_tokens, sp.max_new_tokens, SGLANG_DEFAULT
+        ),
         temperature=sp.temperature,
         top_p=sp.top_p,
         top_k=sp.top_k,
