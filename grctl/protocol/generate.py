@@ -19,77 +19,290 @@ from grctl.protocol.stages import (
 )
 
 PosInt = Annotated[int, Meta(ge=1)]
+
+
+def doc(text: str) -> Meta:
+    """A field's description: the OpenAPI schema's (/docs), and its one account here."""
+    return Meta(description=text)
+
+
 TokenId = Annotated[int, Meta(ge=0)]
 
 
 class SamplingParamsBody(Struct, kw_only=True, forbid_unknown_fields=True):
-    # 0: prefill only (prompt scoring with logprob_start_len, or warming the prefix cache);
-    # unset: the catalog's depth for catalog beams, else SGLang's 128, within --max-new-tokens
-    # and the context left (server/translation/length_default.py)
-    max_new_tokens: Annotated[int, Meta(ge=0)] | None = None
-    # grctl's form: n is the beam width, every beam returned. SGLang's: beam_width W searches W
-    # beams and returns the best n <= W.
-    n: PosInt = 1
-    beam_width: PosInt | None = None
-    temperature: Annotated[float, Meta(ge=0.0)] = 0.0  # > 0 with several beams: distinct samples
-    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Meta(ge=-1)] = -1  # -1: the whole vocabulary
-    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
-    seed: int | None = None
-    sampling_seed: int | None = None  # SGLang's name of seed
-    stop_token_ids: list[TokenId] | None = None
-    stop: str | list[str] | None = None  # stop strings: one beam, needs a tokenizer
-    ignore_eos: bool = False
-    min_new_tokens: Annotated[int, Meta(ge=0)] = 0
-    length_penalty: float = 0.0  # deterministic beams: score / length ** length_penalty
-    skip_special_tokens: bool | None = None  # text only; None: the tokenizer's default
-    spaces_between_special_tokens: bool | None = None
-    no_stop_trim: bool = False  # keep the matched stop token or string in text
-    use_catalog: bool = True  # false: not constrained to the served item catalog
-    exclude_item_ids: list[int | str] | None = None  # no beam completes these catalog items
-    # how a beam that completed a catalog item reports it: SGLang's "stop" (with item_id), or
-    # grctl's own "item_complete"
-    item_finish_reason: Literal["stop", "item_complete"] = "stop"
-    # the prompt's last k tokens begin the item to complete (0: a new item); unset: the
-    # catalog's rule (docs/catalog.md "Partial items")
-    item_prefix_len: Annotated[int, Meta(ge=0)] | None = None
-    logits_processors: list[Any] | None = None  # also accepted at the top level
+    max_new_tokens: Annotated[
+        Annotated[int, Meta(ge=0)] | None,
+        doc(
+            "Tokens to generate, 0 to --max-new-tokens; 0 prefills only (prompt scoring, "
+            "cache warming). Unset: the catalog's depth for catalog beams, else 128 "
+            "(SGLang's), within --max-new-tokens and the context left."
+        ),
+    ] = None
+    n: Annotated[
+        PosInt,
+        doc(
+            "grctl's form (no beam_width): the beam width, every beam returned (n samples "
+            "under --parallel-sampling). With beam_width: how many of its beams are "
+            "returned."
+        ),
+    ] = 1
+    beam_width: Annotated[
+        PosInt | None,
+        doc("SGLang's beam form: search this many beams, return the best n (n <= beam_width)."),
+    ] = None
+    temperature: Annotated[
+        Annotated[float, Meta(ge=0.0)],
+        doc(
+            "0: greedy / deterministic beams. > 0: sampled; several beams are distinct "
+            "samples without replacement (Gumbel top-k). At most 100."
+        ),
+    ] = 0.0
+    top_p: Annotated[
+        Annotated[float, Meta(gt=0.0, le=1.0)],
+        doc("Nucleus filter on the tempered distribution, in (0, 1]; 1: off."),
+    ] = 1.0
+    top_k: Annotated[
+        Annotated[int, Meta(ge=-1)],
+        doc("Keep the k most likely tokens; -1 (or 1 << 30): the whole vocabulary."),
+    ] = -1
+    min_p: Annotated[
+        Annotated[float, Meta(ge=0.0, le=1.0)],
+        doc("Drop tokens below min_p times the top token's probability, in [0, 1]; 0: off."),
+    ] = 0.0
+    seed: Annotated[
+        int | None,
+        doc(
+            "The request's own generator: the same seed gives the same samples in any "
+            "batch. Unset: random."
+        ),
+    ] = None
+    sampling_seed: Annotated[
+        int | None,
+        doc("SGLang's name of seed."),
+    ] = None
+    stop_token_ids: Annotated[
+        list[TokenId] | None,
+        doc("Extra tokens that end a sequence (the model's EOS ends one too unless ignore_eos)."),
+    ] = None
+    stop: Annotated[
+        str | list[str] | None,
+        doc("Stop strings (one, or up to 32); one beam only; needs the server's tokenizer."),
+    ] = None
+    ignore_eos: Annotated[
+        bool,
+        doc("Run to max_new_tokens whatever EOS or stop_token_ids say."),
+    ] = False
+    min_new_tokens: Annotated[
+        Annotated[int, Meta(ge=0)],
+        doc(
+            "No stop token or catalog item ends a sequence before this many tokens; under a"
+            " catalog, prefixes whose every item is shorter are closed."
+        ),
+    ] = 0
+    length_penalty: Annotated[
+        float,
+        doc(
+            "Deterministic beams: finished beams rank by score / length ** length_penalty, "
+            "in [-10, 10]; 0: off."
+        ),
+    ] = 0.0
+    skip_special_tokens: Annotated[
+        bool | None,
+        doc("Leave special tokens out of text. Unset: the tokenizer's default."),
+    ] = None
+    spaces_between_special_tokens: Annotated[
+        bool | None,
+        doc("Spaces between special tokens in text. Unset: the tokenizer's default."),
+    ] = None
+    no_stop_trim: Annotated[
+        bool,
+        doc("Keep the matched stop token or string in text."),
+    ] = False
+    use_catalog: Annotated[
+        bool,
+        doc(
+            "Constrain beams to the served item catalog (when the server has one); false: "
+            "free generation."
+        ),
+    ] = True
+    exclude_item_ids: Annotated[
+        list[int | str] | None,
+        doc(
+            "Catalog items no beam may complete (a user's history); ids naming no item are "
+            "listed in meta_info.unknown_exclude_item_ids."
+        ),
+    ] = None
+    item_finish_reason: Annotated[
+        Literal["stop", "item_complete"],
+        doc(
+            "How a beam that completed an item reports it: SGLang's 'stop' (with item_id) "
+            "or grctl's 'item_complete'."
+        ),
+    ] = "stop"
+    item_prefix_len: Annotated[
+        Annotated[int, Meta(ge=0)] | None,
+        doc(
+            "The prompt's last k tokens begin the item to complete (0: a new item). Unset: "
+            "the catalog's rule."
+        ),
+    ] = None
+    logits_processors: Annotated[
+        list[Any] | None,
+        doc("token_suppress / token_bias processors (also accepted at the top level)."),
+    ] = None
     # SGLang knobs grctl does not implement: a 400 naming them unless they hold the value that
     # changes nothing (server/translation/sampling.py)
-    frequency_penalty: Any = None
-    presence_penalty: Any = None
-    repetition_penalty: Any = None
-    stop_regex: Any = None
-    json_schema: Any = None
-    regex: Any = None
-    ebnf: Any = None
-    structural_tag: Any = None
-    logit_bias: Any = None
-    custom_params: Any = None
-    watermark: Any = None
-    choice: Any = None
-    stream_interval: Any = None  # no streaming: nothing to pace
+    frequency_penalty: Annotated[
+        Any,
+        doc("SGLang's; not implemented by grctl: only 0 (or null) is accepted."),
+    ] = None
+    presence_penalty: Annotated[
+        Any,
+        doc("SGLang's; not implemented by grctl: only 0 (or null) is accepted."),
+    ] = None
+    repetition_penalty: Annotated[
+        Any,
+        doc("SGLang's; not implemented by grctl: only 1 (or null) is accepted."),
+    ] = None
+    stop_regex: Annotated[
+        Any,
+        doc("SGLang's; not implemented by grctl: only an empty value (or null) is accepted."),
+    ] = None
+    json_schema: Annotated[
+        Any,
+        doc(
+            "SGLang's grammar; not implemented by grctl: only an empty value (or null) is accepted."
+        ),
+    ] = None
+    regex: Annotated[
+        Any,
+        doc(
+            "SGLang's grammar; not implemented by grctl: only an empty value (or null) is accepted."
+        ),
+    ] = None
+    ebnf: Annotated[
+        Any,
+        doc(
+            "SGLang's grammar; not implemented by grctl: only an empty value (or null) is accepted."
+        ),
+    ] = None
+    structural_tag: Annotated[
+        Any,
+        doc(
+            "SGLang's grammar; not implemented by grctl: only an empty value (or null) is accepted."
+        ),
+    ] = None
+    logit_bias: Annotated[
+        Any,
+        doc(
+            "SGLang's; not implemented here (use logits_processors' token_bias): only {} "
+            "(or null) is accepted."
+        ),
+    ] = None
+    custom_params: Annotated[
+        Any,
+        doc(
+            "SGLang's object for engine-specific fields: any sampling_params field here, "
+            "read as if set beside the others (the form that crosses gateways); also "
+            "return_top_p_token_ids."
+        ),
+    ] = None
+    watermark: Annotated[
+        Any,
+        doc("SGLang's; not implemented by grctl: only {} (or null) is accepted."),
+    ] = None
+    choice: Annotated[
+        Any,
+        doc("Not implemented by grctl: only an empty value (or null) is accepted."),
+    ] = None
+    stream_interval: Annotated[
+        Any,
+        doc("SGLang's streaming pace; ignored (no streaming)."),
+    ] = None
     # multi-stage requests (protocol/stages.py, docs/http-api.md "Multi-stage requests"):
     # grctl's spelling
-    reasoning: ReasoningParams | None = None
-    forced_prefix: ForcedPrefix | None = None
-    beam_return_mode: ReturnMode | None = None
-    beam_group_id: GroupId | None = None
-    beam_index: Annotated[int, Meta(ge=0)] | None = None
+    reasoning: Annotated[
+        ReasoningParams | None,
+        doc(
+            "Multi-stage (grctl's spelling): stage 1 sampling before the forced prefix and "
+            "the item beams."
+        ),
+    ] = None
+    forced_prefix: Annotated[
+        ForcedPrefix | None,
+        doc(
+            "Multi-stage: the text or ids appended after each reasoning sample, before the "
+            "item stage."
+        ),
+    ] = None
+    beam_return_mode: Annotated[
+        ReturnMode | None,
+        doc("Multi-stage: all_beams (every beam of the group) or best_only (one)."),
+    ] = None
+    beam_group_id: Annotated[
+        GroupId | None,
+        doc(
+            "Multi-stage: the group whose beams this request shares (computed once, served "
+            "one beam_index per call)."
+        ),
+    ] = None
+    beam_index: Annotated[
+        Annotated[int, Meta(ge=0)] | None,
+        doc("Multi-stage: which beam of the beam_group_id group this reply serves."),
+    ] = None
     # verl-GR's spelling, and its legacy aliases (verl_gr/workers/rollout/beam_config.py)
-    enable_two_stage_rollout: bool | None = None
-    decode_config: DecodeConfig | None = None
-    beam_search_params: BeamSearchParams | None = None
-    return_all_beams: bool | None = None
-    stage2_beam_size: PosInt | None = None
-    beam_idx: Annotated[int, Meta(ge=0)] | None = None
-    two_stage_group_id: GroupId | None = None
-    stage2_num_tokens: PosInt | None = None
-    stage2_max_tokens: PosInt | None = None
-    stage1_max_tokens: PosInt | None = None
-    stage2_temperature: Annotated[float, Meta(ge=0.0)] | None = None
-    stage2_top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
-    stage2_top_k: Annotated[int, Meta(ge=-1)] | None = None
+    enable_two_stage_rollout: Annotated[
+        bool | None,
+        doc("verl-GR's spelling: run the request in two stages."),
+    ] = None
+    decode_config: Annotated[
+        DecodeConfig | None,
+        doc("verl-GR's spelling: reasoning and item_generation phases."),
+    ] = None
+    beam_search_params: Annotated[
+        BeamSearchParams | None,
+        doc("verl-GR's spelling: the item stage's beam search."),
+    ] = None
+    return_all_beams: Annotated[
+        bool | None,
+        doc("verl-GR's legacy alias of beam_return_mode all_beams."),
+    ] = None
+    stage2_beam_size: Annotated[
+        PosInt | None,
+        doc("verl-GR's legacy alias of beam_width for the item stage."),
+    ] = None
+    beam_idx: Annotated[
+        Annotated[int, Meta(ge=0)] | None,
+        doc("verl-GR's legacy alias of beam_index."),
+    ] = None
+    two_stage_group_id: Annotated[
+        GroupId | None,
+        doc("verl-GR's legacy alias of beam_group_id."),
+    ] = None
+    stage2_num_tokens: Annotated[
+        PosInt | None,
+        doc("verl-GR's legacy alias of the item stage's max_tokens."),
+    ] = None
+    stage2_max_tokens: Annotated[
+        PosInt | None,
+        doc("verl-GR's legacy alias of the item stage's max_tokens."),
+    ] = None
+    stage1_max_tokens: Annotated[
+        PosInt | None,
+        doc("verl-GR's legacy alias of the reasoning stage's max_tokens."),
+    ] = None
+    stage2_temperature: Annotated[
+        Annotated[float, Meta(ge=0.0)] | None,
+        doc("verl-GR's legacy alias of the item stage's temperature."),
+    ] = None
+    stage2_top_p: Annotated[
+        Annotated[float, Meta(gt=0.0, le=1.0)] | None,
+        doc("verl-GR's legacy alias of the item stage's top_p."),
+    ] = None
+    stage2_top_k: Annotated[
+        Annotated[int, Meta(ge=-1)] | None,
+        doc("verl-GR's legacy alias of the item stage's top_k."),
+    ] = None
 
 
 class GenerateBody(Struct, kw_only=True):

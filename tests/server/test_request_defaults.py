@@ -105,3 +105,17 @@ def test_the_defaults_table_is_true_to_the_code():
             assert msgspec.json.decode(literal.group(1)) == defaults[key], key
     for key in ("max_new_tokens", "temperature", "n", "skip_special_tokens"):
         assert key in documented
+
+
+def test_every_sampling_field_is_described_in_the_openapi_schema():
+    """/schema/openapi.json (what /docs renders): a description on each sampling_params field,
+    and the schema still refuses what the Struct refuses (the descriptions wrap the types)."""
+    with app_server() as srv, srv.client() as c:
+        spec = c.get("/schema/openapi.json").json()
+        bad = c.post("/generate", json={"input_ids": [1], "sampling_params": {"top_p": 0}})
+    props = spec["components"]["schemas"]["SamplingParamsBody"]["properties"]
+    fields = {f.name for f in msgspec.structs.fields(SamplingParamsBody)}
+    assert set(props) == fields
+    undescribed = sorted(k for k, v in props.items() if len(v.get("description", "")) < 20)
+    assert not undescribed, undescribed
+    assert bad.status_code == 400 and "top_p" in bad.text
