@@ -255,6 +255,7 @@ def test_strict_replies_leave_out_only_unset_optional_keys():
         "catalog_version",
         "kv_recomputed_at",
         "item_prefix_len",
+        "unknown_exclude_item_ids",
         "gumbel_threshold",
         "output_token_sampling_mask",
         "output_token_sampling_logprobs",
