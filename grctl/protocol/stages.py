@@ -25,7 +25,8 @@ class ReasoningParams(Struct, kw_only=True, forbid_unknown_fields=True):
     item beams that continue it."""
 
     n: Annotated[int, Meta(ge=1, le=256)] = 1
-    max_new_tokens: Annotated[int, Meta(ge=1)] = 256
+    # unset: SGLang's 128 within --max-new-tokens and the context left (length_default.py)
+    max_new_tokens: Annotated[int, Meta(ge=1)] | None = None
     temperature: Annotated[float, Meta(ge=0.0)] = 1.0  # 0: greedy reasoning
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Meta(ge=-1)] = -1

@@ -119,3 +119,19 @@ def test_every_sampling_field_is_described_in_the_openapi_schema():
     undescribed = sorted(k for k, v in props.items() if len(v.get("description", "")) < 20)
     assert not undescribed, undescribed
     assert bad.status_code == 400 and "top_p" in bad.text
+
+
+def test_a_multi_stage_reasoning_defaults_within_the_limit(catalog_server):
+    """reasoning without max_new_tokens: SGLang's 128 held to --max-new-tokens (64), then the
+    item stage to the catalog's depth (the old default, 256, was a 400 under the default
+    limit)."""
+    srv, items = catalog_server
+    sp = {"reasoning": {"ignore_eos": True}, "forced_prefix": {"ids": [5]}, "n": 2}
+    with srv.client() as c:
+        resp = c.post("/generate", json={"input_ids": PROMPT, "sampling_params": sp})
+    assert resp.status_code == 200, resp.text
+    beams = resp.json()["meta_info"]["beam_results"]
+    for beam in beams:
+        ids = beam["output_ids"]
+        assert len(ids) == 64 + 1 + 3 and ids[64] == 5
+        assert tuple(ids[65:]) in items

@@ -114,7 +114,8 @@ def to_requests(
             text=text_options_of(body, sp, top_p_ids),
         )
         if is_multi_stage(sp):
-            req = staged_request(body, sp, req.sampling, req, tokenizer)
+            reasoning_length = lengths.of(False, len(row))
+            req = staged_request(body, sp, req.sampling, req, tokenizer, reasoning_length)
         reqs.append(req)
     staged = [isinstance(r, StagedRequest) for r in reqs]
     if any(staged) and not all(staged):

@@ -95,8 +95,10 @@ def staged_request(
     items: SamplingParams,
     template: GenerateRequest,
     tokenizer: Any | None,
+    reasoning_length: int = SGLANG_DEFAULT,
 ) -> StagedRequest:
-    """`items`: sampling_of(body, sp), the item stage as a one-stage request reads it."""
+    """`items`: sampling_of(body, sp), the item stage as a one-stage request reads it;
+    `reasoning_length`: stage 1's max_new_tokens where the request leaves it out."""
     check_stage_knobs(sp)
     if body.return_original_logprob:
         raise ValidationError(
@@ -112,7 +114,7 @@ def staged_request(
             )
         rs = sp.reasoning
         reasoning = SamplingParams(
-            max_new_tokens=rs.max_new_tokens,
+            max_new_tokens=_first(rs.max_new_tokens, reasoning_length),
             temperature=rs.temperature,
             top_p=rs.top_p,
             top_k=rs.top_k,
@@ -132,7 +134,7 @@ def staged_request(
         group_id, index = sp.beam_group_id, sp.beam_index
         include_stop = rs.include_stop_str_in_output
     else:
-        reasoning, items, prefix = _verl_gr(sp, items, tokenizer)
+        reasoning, items, prefix = _verl_gr(sp, items, tokenizer, reasoning_length)
         rc = (sp.decode_config or DecodeConfig()).reasoning or DecodePhase()
         include_stop = rc.include_stop_str_in_output is not False
         num, best_only = 1, _return_mode(sp, "best_only")
@@ -180,7 +182,9 @@ def check_stage_knobs(sp: SamplingParamsBody) -> None:
             check_top_k(value, name)
 
 
-def _verl_gr(sp: SamplingParamsBody, items: SamplingParams, tokenizer: Any | None):
+def _verl_gr(
+    sp: SamplingParamsBody, items: SamplingParams, tokenizer: Any | None, reasoning_length: int
+):
     """verl-GR's reading: the request's own temperature, top_p, top_k, min_p, seed and stop ids
     are stage 1's; decode_config and beam_search_params the rest."""
     if sp.n != 1:
@@ -194,7 +198,7 @@ def _verl_gr(sp: SamplingParamsBody, items: SamplingParams, tokenizer: Any | Non
     stop = _first(rc.stop, sp.stop)
     reasoning = SamplingParams(
         max_new_tokens=_first(
-            rc.max_tokens, sp.stage1_max_tokens, sp.max_new_tokens, SGLANG_DEFAULT
+            rc.max_tokens, sp.stage1_max_tokens, sp.max_new_tokens, reasoning_length
         ),
         temperature=sp.temperature,
         top_p=sp.top_p,
