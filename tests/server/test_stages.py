@@ -35,7 +35,9 @@ def served(checkpoint, start_server, tmp_path_factory):
         for k, p in enumerate(TWO_LENGTH_ITEMS)
     ]
     cat.write_text("\n".join(lines) + "\n")
-    srv = start_server("--model-path", str(ckpt), "--catalog-jsonl", str(cat))
+    srv = start_server(
+        "--model-path", str(ckpt), "--catalog-jsonl", str(cat), "--allow-weight-update"
+    )
     with srv.client(timeout=120) as http:
         http.url = srv.url  # for the openai package's client
         yield http, load_hf(ckpt)
@@ -337,6 +339,14 @@ def test_submit_refusals(served):
     assert http.post("/submit", json=one).status_code == 409
     assert http.post("/submit", json={**body(), "rid": "dup"}).status_code == 409
     assert http.get("/result/dup", params={"timeout": 60}).status_code == 200
+    # paused: refused at once, as any submit is, and nothing is left queued
+    assert http.post("/pause_generation", json={"mode": "abort"}).status_code == 200
+    try:
+        r = http.post("/submit", json={**body(), "rid": "paused"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "paused", r.text
+    finally:
+        assert http.post("/continue_generation").status_code == 200
+    assert http.get("/poll/paused").status_code == 404
 
 
 @pytest.mark.parametrize(
