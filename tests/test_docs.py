@@ -16,6 +16,7 @@ from grctl.catalog.loader import parse_catalog
 from grctl.cli.root import app
 from grctl.model.builtin import DEFAULT_CONFIG, NUM_TEXT_TOKENS, SID_CODES, SID_LEVELS
 from tests.support import catalogs
+from tests.support.cli import grctl
 from tests.support.serverproc import REPO_ROOT
 
 DOCS = REPO_ROOT / "docs"
@@ -191,3 +192,15 @@ def test_user_docs_state_figures_not_their_history(page):
         found += FIGURES_HISTORY.finditer(text)
     hits = [f"{text.count(chr(10), 0, m.start()) + 1}: {m.group(0)}" for m in found]
     assert not hits, f"{page}: {hits}"
+
+
+def test_cli_md_status_example_is_what_grctl_status_prints(catalog_server):
+    block = re.search(r"```console\n\$ grctl status\n(.*?)```", (DOCS / "cli.md").read_text(), re.S)
+    out = grctl("status", "--url", catalog_server.url)
+    assert out.returncode == 0, out.stdout + out.stderr
+    printed = [line.rstrip() for line in out.stdout.splitlines()]
+    for line in block.group(1).rstrip().splitlines():
+        # the documented line with its numbers (and the URL) as any the server may report
+        pattern = re.escape(line.replace("http://127.0.0.1:8000", "URL"))
+        pattern = re.sub(r"\d+(\\\.\d+)?", r"\\d+(?:\\.\\d+)?", pattern).replace("URL", ".+")
+        assert any(re.fullmatch(pattern, p) for p in printed), (line, printed)
