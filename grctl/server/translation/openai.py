@@ -48,18 +48,26 @@ def refuse_unserved(body: OpenAIBody) -> None:
         )
 
 
+def search_knobs(body: OpenAIBody) -> dict[str, Any]:
+    """The OpenAI fields that are a search's own, under the engine's (and /generate's) names:
+    one stage's, or a multi-stage request's item stage (openai_stages.py)."""
+    return {
+        "n": body.n,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_k": body.top_k,
+        "seed": body.seed,
+        "ignore_eos": body.ignore_eos,
+        "use_catalog": body.use_catalog,
+    }
+
+
 def sampling_of(body: OpenAIBody, max_new_tokens: int) -> SamplingParams:
     return SamplingParams(
         max_new_tokens=max_new_tokens,
-        n=body.n,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        seed=body.seed,
         stop_token_ids=tuple(body.stop_token_ids or ()),
-        ignore_eos=body.ignore_eos,
-        use_catalog=body.use_catalog,
         logits_processors=parse_logits_processors(body.logits_processors),
+        **search_knobs(body),
     )
 
 

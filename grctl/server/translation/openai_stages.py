@@ -11,7 +11,13 @@ from typing import Any
 from grctl.errors import ValidationError
 from grctl.protocol.generate import GenerateBody, GenerateResponse, SamplingParamsBody
 from grctl.protocol.openai import ChoiceMeta, CompletionBody, Metadata, OpenAIBody, Usage
-from grctl.server.translation.openai import FINISH_REASONS, Choice, decode, token_text
+from grctl.server.translation.openai import (
+    FINISH_REASONS,
+    Choice,
+    decode,
+    search_knobs,
+    token_text,
+)
 
 
 def is_staged(body: OpenAIBody) -> bool:
@@ -33,15 +39,9 @@ def staged_body(
     """/generate's body for the same work: the item stage from the OpenAI fields."""
     sp = SamplingParamsBody(
         max_new_tokens=max_new_tokens,
-        n=body.n,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        seed=body.seed,
         stop_token_ids=body.stop_token_ids,
-        ignore_eos=body.ignore_eos,
-        use_catalog=body.use_catalog,
         logits_processors=body.logits_processors,
+        **search_knobs(body),
         skip_special_tokens=body.skip_special_tokens,
         reasoning=body.reasoning,
         forced_prefix=body.forced_prefix,
