@@ -99,6 +99,10 @@ def moved(result: outcome.SyncResult) -> str:
     if result.transport == "disk":
         tensors = max((s.num_tensors for s in result.servers), default=0)
         return f"the servers read {tensors} tensors from {result.checkpoint} in {push_s:.2f} s"
+    if result.transport == "delta":  # grctl push --delta: each server read its delta's files
+        tensors = max((s.num_tensors for s in result.servers), default=0)
+        wire = max((s.num_bytes for s in result.servers), default=0)
+        return f"a delta of {tensors} changed tensors ({fmt_bytes(wire)}) in {push_s:.2f} s"
     return (
         f"{result.num_buckets} bucket(s), {fmt_bytes(result.num_bytes)} in {push_s:.2f} s"
         f" ({fmt_rate(result.push_gbps * 1e9)})"

@@ -94,6 +94,7 @@ def run_push(
 
     version, token_step = sync_kw.pop("weight_version", None), sync_kw.pop("token_step", None)
     catalog = sync_kw.pop("catalog_path", None)
+    sync_type = delta_sync(sync_kw) or WeightSync  # --delta: grctl/client/delta_push.py
     transport = sync_kw.get("transport", "auto")
     finish = finish_command(checkpoint, transport, sync_kw, version, token_step, api_key, catalog)
 
@@ -108,7 +109,7 @@ def run_push(
             with (
                 on_stop_signals(Terminated),
                 report.push_progress(err_console, transport) as on_progress,
-                WeightSync(
+                sync_type(
                     urls,  # None: DEFAULT_URL, unless a router names the servers
                     api_key=api_key,
                     verify=verify,
@@ -143,6 +144,21 @@ def run_push(
     except KeyboardInterrupt as exc:  # before WeightSync started: nothing was paused
         raise typer.Exit(128 + getattr(exc, "signum", signal.SIGINT)) from None
     return result
+
+
+def delta_sync(sync_kw: dict):
+    """--delta BASE: a DeltaSync from BASE (the transport options dropped: the servers read
+    the delta), else None. A server left torn is finished by a whole push (transport auto)."""
+    base, delta_dir = sync_kw.pop("delta", None), sync_kw.pop("delta_dir", None)
+    if base is None:
+        return None
+    from functools import partial
+
+    from grctl.client.delta_push import DeltaSync
+
+    for key in ("transport", "chunked", "bucket_mb"):
+        sync_kw.pop(key, None)
+    return partial(DeltaSync, base=base, delta_dir=delta_dir)
 
 
 def sync_doc(result, finish) -> dict[str, Any]:
@@ -235,6 +251,22 @@ def push(
             "it; needs --allow-catalog-reload there).",
         ),
     ] = None,
+    delta: Annotated[
+        Optional[Path],
+        typer.Option(
+            metavar="BASE",
+            help="Send only what changed since BASE, the checkpoint the servers serve: a delta "
+            "is made here before the pause, each server applies it in place (/pull_weights).",
+        ),
+    ] = None,
+    delta_dir: Annotated[
+        Optional[Path],
+        typer.Option(
+            metavar="DIR",
+            help="Where --delta writes its version, a directory the servers read (kept; "
+            "default: a temporary one beside --checkpoint, removed after).",
+        ),
+    ] = None,
     pause_mode: Annotated[PauseMode, typer.Option(help="How to pause.")] = PauseMode.abort,
     verify: Annotated[bool, typer.Option(help="Compare every tensor's sha256 after.")] = True,
     flush_retries: Annotated[int, typer.Option(min=1, help="flush_cache tries.")] = 60,
@@ -251,6 +283,16 @@ def push(
             f"{flag} applies to --transport tensor only: with disk the servers read the "
             "checkpoint files themselves",
             param_hint="'--transport disk'",
+        )
+    if delta is None and delta_dir is not None:
+        raise typer.BadParameter("--delta-dir goes with --delta BASE", param_hint="'--delta-dir'")
+    if delta is not None and (
+        transport is not Transport.auto or chunked is not None or bucket_mb is not None
+    ):
+        raise typer.BadParameter(
+            "--transport, --chunked and --bucket-mb do not apply to --delta: the servers read "
+            "the delta's files",
+            param_hint="'--delta'",
         )
     run_push(
         url,
@@ -270,6 +312,7 @@ def push(
         flush_interval=flush_interval,
         update_timeout=timeout,
         router=router,
+        **({"delta": delta, "delta_dir": delta_dir} if delta is not None else {}),
     )
 
 

@@ -108,31 +108,56 @@ class DeltaPublisher:
             payloads[name], sums[name] = diff, checksum(self.checksum_format, new)
             new_base[name] = new.copy()
             changed += new.size
-        final = version_dir(self.source_dir, version)
-        tmp = self.source_dir / f".{final.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        weight_map = {}
-        if payloads:
-            from safetensors.numpy import save_file
-
-            fname = "model-00000-of-00001.safetensors"
-            save_file(payloads, str(tmp / fname), metadata=sums)
-            weight_map = dict.fromkeys(payloads, fname)
-        meta = {
-            "version": f"{version:06d}",
-            "base_version": f"{self.version:06d}",
-            "delta_encoding": self.encoding,
-            "compression_format": "none",
-            "checksum_format": self.checksum_format,
-        }
-        (tmp / INDEX).write_text(json.dumps({"metadata": meta, "weight_map": weight_map}))
-        wire = sum(f.stat().st_size for f in tmp.iterdir())
-        os.rename(tmp, final)
+        wire, final = write_version(
+            self.source_dir,
+            version,
+            f"{self.version:06d}",
+            payloads,
+            sums,
+            encoding=self.encoding,
+            checksum_format=self.checksum_format,
+        )
         self._base.update(new_base)
         self.version = version
         ms = (time.perf_counter() - t0) * 1000.0
         return DeltaStats(version, str(final), len(payloads), changed, total, wire, ms)
+
+
+def write_version(
+    source_dir: Path,
+    version: int,
+    base_version: str,
+    payloads: dict[str, np.ndarray],
+    sums: dict[str, str],
+    *,
+    encoding: str,
+    checksum_format: str,
+) -> tuple[int, Path]:
+    """`source_dir/weight_v{version:06d}`: the delta files (uncompressed) and their index,
+    written under a temporary name and renamed into place whole. Returns (bytes written, the
+    version directory)."""
+    final = version_dir(source_dir, version)
+    tmp = source_dir / f".{final.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    weight_map = {}
+    if payloads:
+        from safetensors.numpy import save_file
+
+        fname = "model-00000-of-00001.safetensors"
+        save_file(payloads, str(tmp / fname), metadata=sums)
+        weight_map = dict.fromkeys(payloads, fname)
+    meta = {
+        "version": f"{version:06d}",
+        "base_version": base_version,
+        "delta_encoding": encoding,
+        "compression_format": "none",
+        "checksum_format": checksum_format,
+    }
+    (tmp / INDEX).write_text(json.dumps({"metadata": meta, "weight_map": weight_map}))
+    wire = sum(f.stat().st_size for f in tmp.iterdir())
+    os.rename(tmp, final)
+    return wire, final
 
 
 def pull_weights(
