@@ -11,6 +11,7 @@ import time
 import openai
 import pytest
 
+from grctl.client import GRClient
 from tests.support.catalogs import TWO_LENGTH_ITEMS
 from tests.support.checkpoints import load_hf, with_chat_template
 from tests.support.reference import hf_token_logprobs
@@ -305,6 +306,31 @@ def test_submit_poll_result_equal_generate(served):
         n_r = beam["meta_info"]["stage_spans"][0]["end"]
         ref_lps = hf_token_logprobs(model, PROMPT + ids, len(PROMPT), T1)[:n_r]
         assert lps[:n_r] == pytest.approx(ref_lps, abs=1e-5)
+
+
+def test_grclient_submits_and_decodes_one(served):
+    """grctl's own client: /submit then /result, the reply decoded into its Structs."""
+    http, _ = served
+    b = body()
+    ref = generated(http, {**b, "rid": "st-client"})
+    assert http.get("/flush_cache").status_code == 200
+    with GRClient(http.url) as gr:
+        rid = gr.submit(PROMPT, b["sampling_params"], rid="st-client", return_logprob=True)
+        assert rid.request_id == "st-client"
+        reply = gr.result("st-client", wait=60)
+        assert gr.abort_request(rid="st-client").num_aborted_requests == 0  # finished
+    meta = reply.meta_info
+    assert [g.reasoning_ids for g in meta.stage_groups] == [
+        g["reasoning_ids"] for g in ref["meta_info"]["stage_groups"]
+    ]
+    assert [b.output_ids for b in meta.beam_results] == [
+        b["output_ids"] for b in ref["meta_info"]["beam_results"]
+    ]
+    assert [s.kind for s in meta.beam_results[0].meta_info.stage_spans] == [
+        "sampled",
+        "forced",
+        "searched",
+    ]
 
 
 def test_submit_many_runs_multi_and_one_stage_rows(served):
