@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from grctl.errors import ValidationError, WeightValidationError
+from grctl import confined
+from grctl.errors import Forbidden, GrctlError, ValidationError, WeightValidationError
 from grctl.model.config import ModelConfig
 from grctl.model.dtypes import SAFETENSORS
 from grctl.weights import apply
@@ -37,7 +38,10 @@ read_hooks: list[Callable[[Checkpoint], None]] = []
 class Checkpoint:
     """One checkpoint directory. `specs()` reads headers only; `fetch(name)` reads one tensor."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, *, root: str | Path | None = None):
+        """`root` (--weights-root): every weight file opened must lie inside it, checked
+        through its descriptor (confined.py), wherever the path's symlinks lead."""
+        self.root = root
         if "\x00" in str(path):
             raise WeightValidationError("checkpoint path contains a NUL byte")
         self.path = Path(path)
@@ -149,10 +153,16 @@ class Checkpoint:
             try:
                 # Stamped first: a change after it, even while safe_open parses, is seen.
                 reader = PinnedSafetensors(file)
+                if self.root is not None:
+                    fd = reader._fh.fileno()
+                    confined.check_inside(fd, os.fstat(fd), file, self.root, "checkpoint file")
                 handle = safe_open(str(file), framework="pt")  # checks header and length
                 reader.index(handle)
                 if not reader.is_unchanged(file):
                     raise OSError(errno.ESTALE, "the file changed while being validated")
+            except Forbidden:
+                reader.close()
+                raise
             except (SafetensorError, OSError, ValueError, KeyError, TypeError) as exc:
                 if reader is not None:
                     reader.close()
@@ -162,10 +172,13 @@ class Checkpoint:
             self._handles[file], self._readers[file] = handle, reader
         return self._handles[file]
 
-    @staticmethod
-    def _torch_load_plain(file: Path) -> object:
+    def _torch_load_plain(self, file: Path) -> object:
         try:
-            return torch.load(file, map_location="cpu", weights_only=True)
+            fd = confined.open_read(file, root=self.root, what="checkpoint file", follow=True)
+            with open(fd, "rb") as f:
+                return torch.load(f, map_location="cpu", weights_only=True)
+        except GrctlError:
+            raise
         except Exception as exc:
             raise WeightValidationError(f"unreadable torch file {file.name}: {exc}") from exc
 

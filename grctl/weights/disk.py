@@ -17,9 +17,10 @@ def update_from_disk(
     flush_cache: bool = True,
     abort_all_requests: bool = False,
     catalog_path: str | None = None,  # the catalog of these weights, installed with them
+    root: str | None = None,  # --weights-root: every file opened is checked inside it
 ) -> UpdateOutcome:
     model = updater.model
-    with Checkpoint(path) as ckpt:
+    with Checkpoint(path, root=root) as ckpt:
         return updater.run(
             lambda: plan_checkpoint(model, ckpt),
             ckpt.fetch,

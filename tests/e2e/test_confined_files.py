@@ -21,7 +21,7 @@ from tests.e2e.test_delta_sync import step
 from tests.e2e.test_miles_delta import FILE, publish_like_miles
 from tests.support.checkpoints import dir_tensors, write_checkpoint
 from tests.support.serverproc import assert_error, running_server
-from tests.support.weight_helpers import served_sums
+from tests.support.weight_helpers import checkpoint_sha256, served_sums
 
 INDEX = "model.safetensors.index.json"
 MARK = ".grctl-local-version"
@@ -149,3 +149,31 @@ def test_a_symlink_at_the_profilers_temp_name_is_not_followed(env):
     )
     left = [p.name for p in trace.parent.iterdir() if p.name.startswith(".")]
     assert left == [f".{trace.name}.partial.json.gz"], left  # only the planted link, untouched
+
+
+@pytest.mark.parametrize("safe", [True, False], ids=["safetensors", "torch"])
+def test_a_checkpoint_file_symlinked_out_of_the_root_is_refused(env, safe):
+    """The route checks model_path; its weight file may still be a symlink out of the root.
+    A symlink that stays inside it (as the HF cache's snapshots name their blobs) is read."""
+    srv, root, outside, _ = env
+    name = "model.safetensors" if safe else "pytorch_model.bin"
+    theirs = write_checkpoint(outside / f"ckpt-{safe}", seed=92, safe_serialization=safe)
+    mine = root / f"escape-{safe}"
+    mine.mkdir()
+    (mine / "config.json").write_bytes((theirs / "config.json").read_bytes())
+    (mine / name).symlink_to(theirs / name)
+    before = served_sums(srv.url)
+    with srv.client() as http:
+        r = http.post("/update_weights_from_disk", json={"model_path": str(mine)})
+        assert "outside the weights root" in assert_error(r, 403, "forbidden")["message"]
+        assert served_sums(srv.url) == before
+        blob = root / f"blobs-{safe}"
+        blob.mkdir()
+        (blob / "weights").write_bytes((theirs / name).read_bytes())
+        (mine / name).unlink()
+        (mine / name).symlink_to(blob / "weights")
+        r = http.post("/update_weights_from_disk", json={"model_path": str(mine)})
+        assert r.status_code == 200 and r.json()["success"], r.text
+        assert served_sums(srv.url) == checkpoint_sha256(theirs) != before
+        base = root / "base"
+        assert http.post("/update_weights_from_disk", json={"model_path": str(base)}).is_success

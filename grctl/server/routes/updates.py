@@ -81,6 +81,7 @@ async def update_weights_from_disk(
         disk.update_from_disk,
         state.updater,
         path,
+        root=state.config.weights_root,  # checked again on each file opened (confined.py)
         **update_options(state, body),
     )
     state.model_path = path
