@@ -16,10 +16,12 @@ queries and keys are cut (a prefix-cache hit attends in two parts, a miss in one
   same [ROW_TILE, K] x [K, N] product: one shape, one kernel, one reduction order.
 - `rms_norm`: the mean of squares as the same tiled product against columns of ones.
 - `attention`: query rows in fixed tiles against keys cut at fixed absolute positions. On the
-  CPU, torch's flash kernel per tile (its kv blocks start at key 0; a causal call pads the keys
-  to whole 512-key blocks, so the blocks do not follow the key count, and gives each group of
-  tiles only the blocks up to its last row's position: a block wholly past a row's position
-  leaves its running sums exactly as they were, so skipping it changes no bit); elsewhere
+  CPU, torch's flash kernel per tile: a decode tile against the whole context (its kv blocks
+  start at key 0 and their size follows the key count alone); causal (prefill) tiles against
+  blocks of PREFILL_KEY_BLOCK keys, one call per block for the tiles that reach it (the
+  kernel's own kv block is then the block: it does not follow the key count), merged by
+  log-sum-exp in position order, a block wholly past a row's position left out of its merge
+  (so a tile costs about its causal share, not every key up to a 512-key boundary); elsewhere
   blocks of KEY_BLOCK keys, each block's scores and weighted values as fixed-shape products,
   merged one after another in position order (online softmax: a fully masked block leaves the
   running sums exactly as they were). A row's output is a function of its query, its position
@@ -37,8 +39,8 @@ ROW_TILE = 32  # rows of every matmul tile off the CPU
 MIN_CHUNK = 16  # the fewest rows of a CPU GEMM chunk (MKL's small-M kernels differ below)
 KEY_BLOCK = 64  # keys of every attention block
 CHUNK_BYTES = 64 << 20  # attention's temporaries per chunk of query tiles
-FLASH_KV_BLOCK = 512  # torch's CPU flash attention cuts keys in blocks of min(512, keys)
 PREFILL_TILE = 64  # query rows of a causal (prefill) attention tile on the CPU
+PREFILL_KEY_BLOCK = 128  # keys of a causal attention block on the CPU (one flash call each)
 
 
 def _tiles(x: torch.Tensor, tile: int = ROW_TILE) -> tuple[torch.Tensor, int]:
@@ -188,7 +190,7 @@ def _flash_tiles(q, k, v, q_pos):
     0 and their size follows the key count alone, its query block follows the tile, so every
     row meets the same products and the same reduction order."""
     n, heads, dim = q.shape
-    num_kv, length = k.shape[0], k.shape[1]
+    num_kv = k.shape[0]
     groups = heads // num_kv
     rows = n * groups
     # a prefill's rows in tiles of PREFILL_TILE (the kernel's query blocks of 32), a decode
@@ -203,36 +205,51 @@ def _flash_tiles(q, k, v, q_pos):
     if q_pos is None:
         out, lse = _flash(qt, k, v, None)
     else:
-        # causal rows: keys padded to whole kv blocks of torch's kernel, so that its blocks
-        # (their size is min(512, keys)) do not follow the key count, and each tile given the
-        # blocks up to its last row's position only (the later ones are wholly masked for it)
-        kpad = -length % FLASH_KV_BLOCK
-        if kpad:
-            k, v = F.pad(k, (0, 0, 0, kpad)), F.pad(v, (0, 0, 0, kpad))
         limit = q_pos.to(q.device).repeat_interleave(groups)
         if pad:  # padding rows see what the last row sees (nothing of theirs is kept)
             limit = F.pad(limit, (0, pad), value=int(limit[-1]))
-        limit = limit.view(tiles, tile)
-        need = (limit.amax(1) // FLASH_KV_BLOCK + 1) * FLASH_KV_BLOCK
-        need = need.clamp(max=k.shape[1]).tolist()
-        outs, lses, lo = [], [], 0
-        while lo < tiles:  # runs of tiles that need the same keys (one run per block count)
-            hi = lo + 1
-            while hi < tiles and need[hi] == need[lo]:
-                hi += 1
-            keys = need[lo]
-            hidden = torch.arange(keys, device=q.device) > limit[lo:hi, :, None]
-            mask = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device)
-            mask = mask.masked_fill_(hidden, float("-inf")).unsqueeze(1)  # [t, 1, tile, keys]
-            o, m = _flash(qt[lo:hi], k[:, :keys], v[:, :keys], mask)
-            outs.append(o)
-            lses.append(m)
-            lo = hi
-        out, lse = (outs[0], lses[0]) if len(outs) == 1 else (torch.cat(outs), torch.cat(lses))
+        out, lse = _causal_blocks(qt, k, v, limit.view(tiles, tile))
     out = out.float().transpose(0, 1).reshape(num_kv, tiles * tile, dim)[:, :rows]
     lse = lse.float().transpose(0, 1).reshape(num_kv, tiles * tile)[:, :rows]
     out = out.view(num_kv, n, groups, dim).permute(1, 0, 2, 3).reshape(n, heads, dim)
     return out, lse.view(num_kv, n, groups).permute(1, 0, 2).reshape(n, heads)
+
+
+def _causal_blocks(qt, k, v, limit):
+    """Causal rows: qt [T, KV, tile, D] query tiles in position order, k, v [KV, S, D], limit
+    [T, tile] each row's last key. Keys in blocks of PREFILL_KEY_BLOCK at absolute positions,
+    each block one flash call for the tiles that reach it (its diagonal masked), the blocks'
+    results merged by log-sum-exp in position order. A row meets the same blocks, the same
+    products and the same merges whatever shares its call; a block wholly past a row's position
+    is left out of its merge. -> out [T, KV, tile, D] float32, lse [T, KV, tile]."""
+    kb = PREFILL_KEY_BLOCK
+    last = limit.amax(1).tolist()  # nondecreasing: the tiles are in position order
+    blocks = int(max(last)) // kb + 1
+    kpad = blocks * kb - k.shape[1]
+    if kpad > 0:
+        k, v = F.pad(k, (0, 0, 0, kpad)), F.pad(v, (0, 0, 0, kpad))
+    offsets = torch.arange(kb, device=qt.device)
+    out = lse = None
+    for j in range(blocks):
+        lo = next(i for i, p in enumerate(last) if p >= j * kb)  # the tiles that reach block j
+        lim = limit[lo:, :, None]
+        hidden = j * kb + offsets > lim  # [t, tile, kb]
+        mask = torch.zeros(hidden.shape, dtype=qt.dtype, device=qt.device)
+        mask = mask.masked_fill_(hidden, float("-inf")).unsqueeze(1)
+        o, m = _flash(qt[lo:], k[:, j * kb : (j + 1) * kb], v[:, j * kb : (j + 1) * kb], mask)
+        o, m = o.float(), m.float()
+        if out is None:
+            out, lse = o, m
+            continue
+        seen = (lim[..., 0] >= j * kb).unsqueeze(1)  # [t, 1, tile]: the block holds its keys
+        run_o, run_m = out[lo:], lse[lo:]
+        top = torch.maximum(run_m, m)
+        a, b = (run_m - top).exp(), (m - top).exp()
+        total = a + b
+        merged = (run_o * a[..., None] + o * b[..., None]) / total[..., None]
+        out[lo:] = torch.where(seen[..., None], merged, run_o)
+        lse[lo:] = torch.where(seen, top + total.log(), run_m)
+    return out, lse
 
 
 def _flash(qt, k, v, mask):
