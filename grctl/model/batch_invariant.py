@@ -229,7 +229,9 @@ def _causal_blocks(qt, k, v, limit):
     if kpad > 0:
         k, v = F.pad(k, (0, 0, 0, kpad)), F.pad(v, (0, 0, 0, kpad))
     offsets = torch.arange(kb, device=qt.device)
-    out = lse = None
+    done_o, done_m = [], []  # the tiles no later block reaches, in order
+    run_o = run_m = None  # the merged blocks so far of tiles base ..
+    base = 0
     for j in range(blocks):
         lo = next(i for i, p in enumerate(last) if p >= j * kb)  # the tiles that reach block j
         lim = limit[lo:, :, None]
@@ -238,23 +240,38 @@ def _causal_blocks(qt, k, v, limit):
         mask = mask.masked_fill_(hidden, float("-inf")).unsqueeze(1)
         o, m = _flash(qt[lo:], k[:, j * kb : (j + 1) * kb], v[:, j * kb : (j + 1) * kb], mask)
         o, m = o.float(), m.float()
-        if out is None:
-            out, lse = o, m
+        if run_o is None:
+            run_o, run_m, base = o, m, lo
             continue
+        if lo > base:  # no block from here on reaches tiles base .. lo - 1
+            done_o.append(run_o[: lo - base])
+            done_m.append(run_m[: lo - base])
+            run_o, run_m, base = run_o[lo - base :], run_m[lo - base :], lo
         seen = (lim[..., 0] >= j * kb).unsqueeze(1)  # [t, 1, tile]: the block holds its keys
-        run_o, run_m = out[lo:], lse[lo:]
         top = torch.maximum(run_m, m)
         a, b = (run_m - top).exp(), (m - top).exp()
         total = a + b
         merged = (run_o * a[..., None] + o * b[..., None]) / total[..., None]
-        out[lo:] = torch.where(seen[..., None], merged, run_o)
-        lse[lo:] = torch.where(seen, top + total.log(), run_m)
-    return out, lse
+        run_o = torch.where(seen[..., None], merged, run_o)
+        run_m = torch.where(seen, top + total.log(), run_m)
+    return torch.cat((*done_o, run_o)), torch.cat((*done_m, run_m))
 
 
 def _flash(qt, k, v, mask):
-    """qt [T, KV, tile, D] against k, v [KV, S, D] (every tile the same keys) -> out, lse."""
+    """qt [T, KV, tile, D] against k, v [KV, S, D] (every tile the same keys) -> out, lse.
+    The kernel's backward treats its lse as a constant; where a gradient is wanted (a trainer's
+    forward, grctl.rl.forward) the lse gets the gradient of the same value written out (its
+    value stays the kernel's, bit for bit), since the merges that follow weigh by it."""
     tiles = qt.shape[0]
     kt = k.unsqueeze(0).expand(tiles, *k.shape)
     vt = v.unsqueeze(0).expand(tiles, *v.shape)
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qt, kt, vt, attn_mask=mask)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qt, kt, vt, attn_mask=mask
+    )
+    if torch.is_grad_enabled() and (qt.requires_grad or k.requires_grad):
+        scores = torch.matmul(qt, k.transpose(-1, -2)) * qt.shape[-1] ** -0.5
+        if mask is not None:  # finite: a row all masked has a gradient of 0, not NaN
+            scores = scores + mask.clamp(min=-1e30)
+        ex = torch.logsumexp(scores.float(), -1)
+        lse = lse.detach() + (ex - ex.detach())
+    return out, lse

@@ -166,6 +166,53 @@ def test_causal_attention_skips_only_blocks_past_each_row():
     assert torch.allclose(out, ref, atol=1e-5)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_gradients_are_attentions_including_the_lse(causal):
+    """The CPU flash kernel's backward takes its lse as a constant; the prefill's key blocks
+    and a decode step's merge with its tail both weigh by it, so its gradient must be the
+    lse's own: q, k and v gradients of out and lse against float64 attention (300 keys: three
+    causal blocks)."""
+    gen = torch.Generator().manual_seed(4)
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    q, k, v = leaf(300, 4, 16), leaf(2, 300, 16), leaf(2, 300, 16)
+    w_out, w_lse = leaf(300, 4, 16), leaf(300, 4)
+    ours = [t.float().requires_grad_(True) for t in (q, k, v)]
+    out, lse = batch_invariant.attention(*ours, torch.arange(300) if causal else None)
+    ((out.double() * w_out).sum() + (lse.double() * w_lse).sum()).backward()
+    ref = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    s = torch.einsum("nhd,hsd->hns", ref[0], ref[1].repeat_interleave(2, 0)) / 4.0
+    if causal:
+        s = s.masked_fill(torch.ones(300, 300, dtype=torch.bool).triu(1), float("-inf"))
+    r_out = torch.einsum("hns,hsd->nhd", s.softmax(-1), ref[2].repeat_interleave(2, 0))
+    ((r_out * w_out).sum() + (s.logsumexp(-1).T * w_lse).sum()).backward()
+    assert torch.allclose(out.double(), r_out, atol=1e-5)
+    for got, want in zip(ours, ref, strict=True):
+        assert torch.allclose(got.grad.double(), want.grad, atol=1e-4), (
+            (got.grad.double() - want.grad).abs().max()
+        )
+
+
+def test_the_trainer_forward_gradient_is_transformers(model):
+    """grctl.rl.forward's gradient (a prompt past one key block, output tokens merged with
+    their tails by lse) equals the gradient of transformers' teacher-forced log-probabilities
+    of the same tokens, at the same weights."""
+    hf, ours = hf_and_ours(seed=3)
+    ours = copy.deepcopy(ours).requires_grad_(True)
+    ours.set_batch_invariant(True)
+    ids, out = torch.tensor(prompt(150, 9)), torch.tensor(prompt(5, 10))
+    forward.token_logprobs(forward.server_logits(ours, ids, out), out).sum().backward()
+    full = torch.cat((ids, out))[None]
+    logits = hf(full).logits[0, len(ids) - 1 : -1].float()
+    torch.log_softmax(logits, -1).gather(1, out[:, None]).sum().backward()
+    attn = hf.model.layers[0].self_attn
+    want = torch.cat([p.weight.grad for p in (attn.q_proj, attn.k_proj, attn.v_proj)])
+    got = ours.layers[0].self_attn.qkv_proj.weight.grad
+    assert torch.allclose(got, want, rtol=1e-3, atol=1e-5), (got - want).abs().max()
+
+
 def test_the_trainer_forward_gives_the_server_logprobs_bitwise(model):
     """grctl's Qwen3 as the trainer's forward (grctl.rl.forward), one teacher-forced pass over
     prompt + output, gives the server's logits rows exactly, so every beam's model logprobs
