@@ -4,6 +4,11 @@ A handler cancelled while its call runs (a shutdown, a disconnect watcher) must 
 call running on its own: `on_cancel` is run to stop it (for /generate: cancel its engine
 requests), and the handler then waits, shielded, for the thread to end before it re-raises. A
 call whose thread had not started when the handler was cancelled never runs at all.
+
+offload_json() is the one way a handler answers a reply that can be large (a prompt's top
+logprobs, a sampling mask, a completions echo with logprobs): the reply is built and encoded to
+JSON bytes in the worker thread, so Litestar sends bytes and encodes nothing on the event loop
+(a 31 MB reply took 120 ms of the loop to encode).
 """
 
 from __future__ import annotations
@@ -13,8 +18,11 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, TypeVar
 
+import msgspec
 from anyio import CancelScope, get_cancelled_exc_class, to_thread
+from litestar import Response
 from litestar.datastructures import State
+from litestar.enums import MediaType
 
 T = TypeVar("T")
 
@@ -64,3 +72,16 @@ async def offload(
             with CancelScope(shield=True):  # its own thread: the waiters may all be taken
                 await to_thread.run_sync(call.ended.wait)
         raise
+
+
+def _encoded(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> bytes:
+    return msgspec.json.encode(fn(*args, **kwargs))
+
+
+async def offload_json(
+    state: State, fn: Callable[..., Any], *args: Any, status_code: int = 200, **kwargs: Any
+) -> Response:
+    """fn(*args, **kwargs), a msgspec Struct (or list, dict), built and encoded to JSON in a
+    thread of app.state.waiters: a Response of those bytes."""
+    body = await offload(state, _encoded, fn, *args, **kwargs)
+    return Response(body, status_code=status_code, media_type=MediaType.JSON)

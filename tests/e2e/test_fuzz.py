@@ -25,7 +25,8 @@ from grctl.weights.wire.records import FlattenedTensorMetadata
 from tests.support import hostile_pickles
 from tests.support.appserver import app_server
 from tests.support.checkpoints import write_checkpoint
-from tests.support.stall import calm_health, health_while
+from tests.support.memory import peak_rss, reset_peak, rss
+from tests.support.stall import health_while, steady_health
 from tests.support.weight_helpers import served_greedy, served_sha256
 
 pytestmark = pytest.mark.timeout(300)
@@ -975,6 +976,14 @@ CHAT_TEMPLATE = (
 NUM_ITEMS = 50_000
 
 
+MiB = 2**20
+PROBE_KV_BYTES = 64 * MiB  # --max-kv-bytes of the probe's server
+PROBE_RESULT_BYTES = 64 * MiB  # --max-finished-result-bytes
+# what one route's worst input may grow the server's peak resident memory by: its budgets, and
+# room for the reply built from a result (a route holding memory past its bounds fails)
+MEMORY_LIMIT = PROBE_KV_BYTES + PROBE_RESULT_BYTES + 128 * MiB
+
+
 @pytest.fixture(scope="module")
 def probe_root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("probe")
@@ -1005,6 +1014,8 @@ def probe(start_server, probe_root):
         *("--catalog", str(w / "items.jsonl"), "--allow-catalog-reload"),
         *("--allow-weight-update", "--torch-profiler-dir", str(probe_root / "traces")),
         "--enable-weights-cpu-backup",
+        *("--max-kv-bytes", str(PROBE_KV_BYTES)),
+        *("--max-finished-result-bytes", str(PROBE_RESULT_BYTES)),
     )
 
 
@@ -1085,6 +1096,65 @@ def _rollback(http, root, keep):
     return "POST", "/catalog/rollback", {"json": {}}
 
 
+def serve_base(http, root: Path) -> Path:
+    """The base checkpoint served again, labelled 0 (the routes before may have released or
+    replaced the weights)."""
+    http.post("/resume_memory_occupation", json={})
+    base = root / "weights" / "base"
+    reply = http.post("/update_weights_from_disk", json={"model_path": str(base)})
+    assert reply.status_code == 200, reply.text
+    http.post("/update_weight_version", json={"new_version": "0"})
+    return base
+
+
+def _pull_delta(http, root, keep):
+    """A delta that moves every element of every tensor, against the weights served now (the
+    base checkpoint, relabelled 0): applied, not refused."""
+    from safetensors.torch import load_file
+
+    from grctl.client.delta import DeltaPublisher
+
+    base = serve_base(http, root)
+    state = load_file(str(base / "model.safetensors"))
+    pub_dir = Path(tempfile.mkdtemp(dir=root / "weights", prefix="pub"))  # under the root
+    pub = DeltaPublisher(pub_dir, encoding="xor")
+    pub.snapshot(state, version=0)
+    g = torch.Generator().manual_seed(5)
+    stats = pub.publish({k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in state.items()})
+    assert stats.changed_tensors == len(state)
+    body = {"source_dir": str(pub_dir), "target_version": stats.version}
+    return "POST", "/pull_weights", {"json": body}
+
+
+def _sampling_mask(http, root, keep):
+    """Point 1 of issue 32: every sampled token's support, 8 prompts of 32 beams x 64 tokens."""
+    serve_base(http, root)
+    sp = {"n": 32, "max_new_tokens": 64, "temperature": 1.0, "ignore_eos": True}
+    body = {"input_ids": [[3 + i for i in range(20)]] * 8, "sampling_params": sp}
+    return "POST", "/generate", {"json": {**body, "return_sampling_mask": True}}
+
+
+def _unfetched_scoring(http, root, keep):
+    """Point 2 of issue 32: 40 prompt-scoring results, each ~9 MB of Python objects (500
+    tokens x the top 128), submitted and never fetched (the action waits for them through
+    /status, never building a reply): ~350 MB if nothing bounds them by bytes."""
+    serve_base(http, root)
+    done = http.get("/status").json()["scheduler"]["finished"]
+
+    def run(client):
+        for i in range(40):
+            ids = [3 + (i + t) % 100 for t in range(500)]
+            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}}
+            extra = {"return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 128}
+            reply = client.post("/submit", json={**body, **extra})
+            assert reply.status_code == 202, reply.text
+        while client.get("/status").json()["scheduler"]["finished"] < done + 40:
+            time.sleep(0.05)
+        return client.get("/status")
+
+    return run
+
+
 def _stop_profile(http, root, keep):
     http.post("/start_profile", json={"num_steps": 50})
     http.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 8}})
@@ -1136,9 +1206,7 @@ WORST = {
         ),
     ),
     "POST /update_weights_from_tensor": _w(None, None, setup=_tensor),
-    "POST /pull_weights": _w(  # no delta published here: a 404 (tests/e2e/test_delta_sync.py)
-        "POST", "/pull_weights", accepted=False, json={"source_dir": "/nope", "target_version": 1}
-    ),
+    "POST /pull_weights": _w(None, None, setup=_pull_delta),
     "POST /init_weights_update_group": _w(
         "POST", "/init_weights_update_group", accepted=False, json={"world_size": 1}
     ),
@@ -1185,6 +1253,22 @@ WORST = {
 }
 
 
+# Beside each route's worst input, the worst of what a route's bodies can make it hold (memory):
+# run by the same probe, under the same stall and memory limits.
+MEMORY_WORST = {
+    "POST /generate (return_sampling_mask)": _w(None, None, setup=_sampling_mask),
+    "POST /submit (unfetched prompt scoring)": _w(None, None, setup=_unfetched_scoring),
+}
+
+
+# Stalls the probe finds and nobody has fixed yet (issue 32.5): left out of the probe's stall
+# assertion (their memory and refusals still checked), each held by the xfail test below.
+KNOWN_STALLS = {
+    "GET /stop_profile": "torch's trace export holds the GIL after the reply (~250 ms)",
+    "POST /submit (unfetched prompt scoring)": "~180 ms while 40 scoring results are built",
+}
+
+
 def worst_of(method: str, template: str, handler):
     """The route's WORST entry; SGLang's routes grctl refuses share one (any body: a 501)."""
     for key, entry in WORST.items():
@@ -1201,37 +1285,72 @@ def test_every_route_names_its_worst_input(table):
     assert not missing, f"add these routes' worst accepted input to WORST: {missing}"
 
 
-@pytest.mark.slow  # about 80 s: every route's worst input, one after another
+@pytest.mark.slow  # about 150 s: every route's worst input, one after another
 def test_no_route_stalls_the_event_loop(probe, probe_root, table):
-    """While each route's worst accepted input runs, /health answers within 100 ms (the best
-    of three tries: a loaded machine may delay one poll)."""
-    stalls, refused = [], []
+    """While each route's worst accepted input runs, and for TAIL_S after its reply (work its
+    worker goes on with), /health answers within 100 ms (a probe over it is run twice more and
+    the median kept: a loaded machine may delay one poll, a stalling route stalls each time);
+    and the server's peak resident memory grows by at most MEMORY_LIMIT (its budgets)."""
+    stalls, refused, grown = [], [], []
     handled = set()
-    with probe.client(timeout=120) as http:
-        for method, template, handler in table:
-            entry = worst_of(method, template, handler)
-            if id(entry) in handled or entry is None:
-                continue
+    pid = probe.proc.pid
+    entries = []
+    for method, template, handler in table:
+        entry = worst_of(method, template, handler)
+        if id(entry) not in handled and entry is not None:
             handled.add(id(entry))
-            make, accepted = entry
+            entries.append((f"{method} {template}", entry))
+    entries += list(MEMORY_WORST.items())
+    with probe.client(timeout=120) as http:
+        for name, (make, accepted) in entries:
             keep: list = []
 
             def action(client, make=make, keep=keep):
-                m, path, kw = make(client, probe_root, keep)
+                made = make(client, probe_root, keep)
+                if callable(made):
+                    return made(client)
+                m, path, kw = made
                 return client.request(m, path, **kw)
 
-            worst, replies = calm_health(
+            before = rss(pid)
+            reset_peak(pid)
+            worst, replies = steady_health(
                 lambda: probe.client(timeout=120), action, limit_s=STALL_LIMIT_S
             )
+            peak = peak_rss(pid) - before
             code = replies[-1].status_code
             if accepted and code >= 400 or not accepted and code < 400:
-                refused.append(f"{method} {template}: {code} {replies[-1].text[:120]}")
-            if worst >= STALL_LIMIT_S:
-                stalls.append(f"{method} {template}: /health took {worst * 1000:.0f} ms")
+                refused.append(f"{name}: {code} {replies[-1].text[:120]}")
+            if worst >= STALL_LIMIT_S and name not in KNOWN_STALLS:
+                stalls.append(f"{name}: /health took {worst * 1000:.0f} ms")
+            if peak > MEMORY_LIMIT:
+                grown.append(f"{name}: peak RSS +{peak / MiB:.0f} MiB")
             reset_state(http)
+            serve_base(http, probe_root)  # a release may have discarded them
             keep.clear()
     assert not refused, "\n".join(refused)
     assert not stalls, "\n".join(stalls)
+    assert not grown, "\n".join(grown)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(reason="issue 32.5, open: " + "; ".join(KNOWN_STALLS.values()), strict=False)
+def test_known_stalls_are_fixed(probe, probe_root, table):
+    entries = {f"{m} {t}": worst_of(m, t, h) for m, t, h in table} | MEMORY_WORST
+    with probe.client(timeout=120) as http:
+        for name in KNOWN_STALLS:
+            make, _ = entries[name]
+
+            def action(client, make=make):
+                made = make(client, probe_root, [])
+                return (
+                    made(client) if callable(made) else client.request(made[0], made[1], **made[2])
+                )
+
+            worst, _ = steady_health(lambda: probe.client(timeout=120), action, STALL_LIMIT_S)
+            reset_state(http)
+            serve_base(http, probe_root)
+            assert worst < STALL_LIMIT_S, f"{name}: /health took {worst * 1000:.0f} ms"
 
 
 def _staged_generate(c, sp):
@@ -1283,7 +1402,7 @@ def test_a_multi_stage_batch_does_not_stall_the_loop(probe, run):
         "max_new_tokens": 3,
     }
     got: list = []
-    worst, _ = calm_health(
+    worst, _ = steady_health(
         lambda: probe.client(timeout=120),
         lambda c: got.append(run(c, sp)),
         limit_s=STALL_LIMIT_S,
@@ -1317,5 +1436,5 @@ def test_the_probe_fails_a_route_on_the_loop():
         worst_bad, replies = health_while(srv.client, lambda c: c.post("/bad_route_on_the_loop"))
         assert replies.status_code == 200
         assert worst_bad >= STALL_LIMIT_S, f"/health took {worst_bad * 1000:.0f} ms"
-        worst_good, _ = calm_health(srv.client, lambda c: c.post("/good_route_offloaded"))
+        worst_good, _ = steady_health(srv.client, lambda c: c.post("/good_route_offloaded"))
         assert worst_good < STALL_LIMIT_S, f"/health took {worst_good * 1000:.0f} ms"

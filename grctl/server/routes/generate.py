@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from litestar import Request, get, post
+from litestar import Request, Response, get, post
 from litestar.datastructures import State
 from litestar.params import Body, Parameter
 from litestar.status_codes import HTTP_202_ACCEPTED
@@ -35,7 +35,7 @@ from grctl.protocol.generate import (
     SubmitResponse,
 )
 from grctl.server.disconnect import unless_disconnected
-from grctl.server.offload import offload
+from grctl.server.offload import offload, offload_json
 from grctl.server.openapi import error_responses
 from grctl.server.params import seconds
 from grctl.server.staged import check_all, run_staged, submit_staged
@@ -81,7 +81,7 @@ async def staged_to_end(
 )
 async def generate(
     state: State, request: Request, data: Annotated[GenerateBody | None, Body()] = None
-) -> GenerateResponse | list[GenerateResponse]:
+) -> Response[GenerateResponse | list[GenerateResponse]]:
     reqs, is_batch = await offload(
         state,
         to_requests,
@@ -92,16 +92,18 @@ async def generate(
     )
     if reqs and isinstance(reqs[0], StagedRequest):  # to_requests: all of a batch, or none
         replies = await staged_to_end(state, request, reqs)
-        return replies if is_batch else replies[0]
+        return Response(replies if is_batch else replies[0])
     state.staged.refuse_taken([r.request_id for r in reqs])
     # A client that goes away cancels its requests (run_to_end's on_cancel).
     results = await unless_disconnected(request, lambda: run_to_end(state, reqs))
-    replies = await offload(state, responses, results, state.tokenizer)
+    return await offload_json(state, responses, results, state.tokenizer, is_batch)
+
+
+def responses(
+    results: list[GenerateResult], tokenizer, is_batch: bool
+) -> list[GenerateResponse] | GenerateResponse:
+    replies = [to_response(r, tokenizer) for r in results]
     return replies if is_batch else replies[0]
-
-
-def responses(results: list[GenerateResult], tokenizer) -> list[GenerateResponse]:
-    return [to_response(r, tokenizer) for r in results]
 
 
 @post(
@@ -204,17 +206,19 @@ def one_sequence(state: State, req: GenerateRequest) -> None:
     summary="Whether a request has finished, and its reply if so",
     responses=error_responses(404),
 )
-async def poll(state: State, request_id: str) -> PollResponse:
+async def poll(state: State, request_id: str) -> Response[PollResponse]:
     run = state.staged.get(request_id)
     if run is not None:  # a queued multi-stage request
         reply = state.staged.poll(run)
-        return PollResponse(ready=reply is not None, response=reply)
+        return Response(PollResponse(ready=reply is not None, response=reply))
     result = state.engine.poll(request_id)
     if result is None:
-        return PollResponse(ready=False)
-    return PollResponse(
-        ready=True, response=await offload(state, to_response, result, state.tokenizer)
-    )
+        return Response(PollResponse(ready=False))
+    return await offload_json(state, ready_reply, result, state.tokenizer)
+
+
+def ready_reply(result: GenerateResult, tokenizer) -> PollResponse:
+    return PollResponse(ready=True, response=to_response(result, tokenizer))
 
 
 @get(
@@ -226,15 +230,15 @@ async def result(
     state: State,
     request_id: str,
     timeout: float | None = Parameter(default=None, description="seconds to wait"),
-) -> GenerateResponse:
+) -> Response[GenerateResponse]:
     limit = state.config.generate_timeout_s
     wait = seconds(timeout, limit=limit, default=limit)
     run = state.staged.get(request_id)
     if run is not None:  # a queued multi-stage request
-        return await offload(state, state.staged.result, run, wait)
+        return await offload_json(state, state.staged.result, run, wait)
     res = await offload(state, state.engine.result, request_id, timeout=wait)
     state.metrics.observe_result(res)
-    return await offload(state, to_response, res, state.tokenizer)
+    return await offload_json(state, to_response, res, state.tokenizer)
 
 
 @post(

@@ -38,7 +38,7 @@ from grctl.protocol.openai import (
     TokenLogprob,
 )
 from grctl.server.disconnect import unless_disconnected
-from grctl.server.offload import offload
+from grctl.server.offload import offload, offload_json
 from grctl.server.openapi import error_responses
 from grctl.server.routes.generate import run_to_end, staged_to_end
 from grctl.server.routes.info import served_model_name
@@ -167,7 +167,18 @@ async def completions(
             state, request, body, rows, body.max_tokens, body.logprobs is not None, top, body.echo
         )
         rid, usage, metadata = results[0].request_id, usage_of(results), metadata_of(results)
-    out = [
+    head = {"id": f"cmpl-{rid}", "created": created_now(), "model": body.model}
+    if not body.stream:  # a large reply (an echo with logprobs): built and encoded off the loop
+        return await offload_json(state, completion_reply, head, choices, usage, metadata)
+    out = await offload(state, completion_choices, choices)
+    chunks: list[msgspec.Struct] = [CompletionResponse(**head, choices=[c]) for c in out]
+    if body.stream_options and body.stream_options.include_usage:
+        chunks.append(CompletionResponse(**head, choices=[], usage=usage))
+    return sse(chunks)
+
+
+def completion_choices(choices: list[Choice]) -> list[CompletionChoice]:
+    return [
         CompletionChoice(
             index=c.index,
             text=c.text,
@@ -178,13 +189,27 @@ async def completions(
         )
         for c in choices
     ]
-    head = {"id": f"cmpl-{rid}", "created": created_now(), "model": body.model}
-    if not body.stream:
-        return Response(CompletionResponse(**head, choices=out, usage=usage, metadata=metadata))
-    chunks: list[msgspec.Struct] = [CompletionResponse(**head, choices=[c]) for c in out]
-    if body.stream_options and body.stream_options.include_usage:
-        chunks.append(CompletionResponse(**head, choices=[], usage=usage))
-    return sse(chunks)
+
+
+def completion_reply(head: dict, choices: list[Choice], usage, metadata) -> CompletionResponse:
+    return CompletionResponse(
+        **head, choices=completion_choices(choices), usage=usage, metadata=metadata
+    )
+
+
+def chat_reply(head: dict, choices: list[Choice], usage, metadata) -> ChatCompletionResponse:
+    out = [
+        ChatChoice(
+            index=c.index,
+            message=ChatMessageOut(content=c.text),
+            logprobs=chat_logprobs(c),
+            finish_reason=c.finish_reason,
+            matched_stop=c.matched_stop,
+            meta_info=c.meta,
+        )
+        for c in choices
+    ]
+    return ChatCompletionResponse(**head, choices=out, usage=usage, metadata=metadata)
 
 
 def chat_logprobs(choice: Choice) -> ChatLogprobs | None:
@@ -241,20 +266,8 @@ async def chat_completions(
         "created": created_now(),
         "model": body.model,
     }
-    if not body.stream:
-        out = [
-            ChatChoice(
-                index=c.index,
-                message=ChatMessageOut(content=c.text),
-                logprobs=chat_logprobs(c),
-                finish_reason=c.finish_reason,
-                matched_stop=c.matched_stop,
-                meta_info=c.meta,
-            )
-            for c in choices
-        ]
-        reply = ChatCompletionResponse(**head, choices=out, usage=usage, metadata=metadata)
-        return Response(reply)
+    if not body.stream:  # built and encoded off the loop
+        return await offload_json(state, chat_reply, head, choices, usage, metadata)
     # Per choice, as SGLang streams: the role, the content, then the finish on its own.
     chunks: list[msgspec.Struct] = []
     for c in choices:
