@@ -13,7 +13,6 @@ catalog is labelled with the weight version it is served with.
 
 from __future__ import annotations
 
-import ctypes
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from grctl import heap
 from grctl.catalog.loader import ItemIds, read_catalog
 from grctl.catalog.trie import Trie
 from grctl.errors import Conflict, Forbidden, ValidationError
@@ -77,17 +77,8 @@ def build_catalog(
     trie = Trie(rows.paths, rows.lengths, device)
     catalog = Catalog(version, trie, rows.ids, path, time.time(), rows.file_bytes)
     del rows
-    _release_freed_heap()
+    heap.release_freed()  # the parse's freed heap, or it counts as resident for good
     return catalog
-
-
-def _release_freed_heap() -> None:
-    """Hand the parse's freed heap back to the OS: glibc keeps it mapped otherwise (~150 MB
-    for a million items), which would count against the server's resident memory for good."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc
 
 
 class CatalogStore:

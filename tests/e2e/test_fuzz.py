@@ -1308,7 +1308,9 @@ MEMORY_LIMIT_OF = {
 # Stalls the probe finds and nobody has fixed yet (issue 32.5): left out of the probe's stall
 # assertion (their memory and refusals still checked), each held by the xfail test below.
 KNOWN_STALLS = {
-    "GET /stop_profile": "torch's trace export holds the GIL after the reply (~250 ms)",
+    # torch's stop post-processes every recorded event on the engine's thread, holding the
+    # GIL (engine/profiler.py); the export after it is off the engine's thread
+    "GET /stop_profile": "torch's profiler stop holds the GIL (~250 ms here, seconds for long)",
     "POST /submit (unfetched prompt scoring)": "~180 ms while 40 scoring results are built",
 }
 

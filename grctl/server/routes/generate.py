@@ -92,7 +92,7 @@ async def generate(
     )
     if reqs and isinstance(reqs[0], StagedRequest):  # to_requests: all of a batch, or none
         replies = await staged_to_end(state, request, reqs)
-        return Response(replies if is_batch else replies[0])
+        return await offload_json(state, chosen, replies, is_batch)
     state.staged.refuse_taken([r.request_id for r in reqs])
     # A client that goes away cancels its requests (run_to_end's on_cancel).
     results = await unless_disconnected(request, lambda: run_to_end(state, reqs))
@@ -102,7 +102,11 @@ async def generate(
 def responses(
     results: list[GenerateResult], tokenizer, is_batch: bool
 ) -> list[GenerateResponse] | GenerateResponse:
-    replies = [to_response(r, tokenizer) for r in results]
+    return chosen([to_response(r, tokenizer) for r in results], is_batch)
+
+
+def chosen(replies: list[GenerateResponse], is_batch: bool):
+    """A batch's replies, or one prompt's reply."""
     return replies if is_batch else replies[0]
 
 
