@@ -1310,8 +1310,7 @@ MEMORY_LIMIT_OF = {
 KNOWN_STALLS = {
     # torch's stop post-processes every recorded event on the engine's thread, holding the
     # GIL (engine/profiler.py); the export after it is off the engine's thread
-    "GET /stop_profile": "torch's profiler stop holds the GIL (~250 ms here, seconds for long)",
-    "POST /submit (unfetched prompt scoring)": "~180 ms while 40 scoring results are built",
+    "GET /stop_profile": "torch's stop holds the GIL (65 ms here at load 1, seconds if long)",
 }
 
 
