@@ -90,6 +90,8 @@ def test_an_error_in_a_later_block_names_its_line(bad, needle):
 
 
 def refused(path, match: str) -> tuple[float, int]:
+    """(seconds, peak traced bytes) of reading `path` to its refusal; the file is removed (a
+    sparse gigabyte: pytest keeps its last temp dirs)."""
     tracemalloc.start()
     t0 = time.perf_counter()
     try:
@@ -98,6 +100,7 @@ def refused(path, match: str) -> tuple[float, int]:
         return time.perf_counter() - t0, tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
+        path.unlink()
 
 
 def test_a_gigabyte_of_zeros_is_refused_at_once(tmp_path):
