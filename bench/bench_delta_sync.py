@@ -95,6 +95,13 @@ def paused(http: httpx.Client, sync) -> float:
     return time.perf_counter() - t0
 
 
+def paused_call(http: httpx.Client, route: str, body: dict) -> tuple[float, float]:
+    """(pause to continue, the server's own elapsed) of one update call in a pause."""
+    reply: dict = {}
+    s = paused(http, lambda: reply.update(ok(http.post(route, json=body))))
+    return s, reply["elapsed_ms"] / 1000
+
+
 def ok(r: httpx.Response) -> dict:
     assert r.status_code == 200, r.text
     return r.json()
@@ -261,12 +268,11 @@ def main() -> None:
                     stats = pub.publish(state)
                     version = stats.version
                     body = {"source_dir": str(root / "deltas"), "target_version": version}
-                    s = paused(http, lambda body=body: ok(http.post("/pull_weights", json=body)))
+                    s, server_s = paused_call(http, "/pull_weights", body)
                     check_served(http, state)
                     publish_s, wire = stats.elapsed_ms / 1000, stats.wire_bytes
-                    runs["delta"].append(
-                        {"pause_to_continue_s": s, "publish_s": publish_s, "wire_bytes": wire}
-                    )
+                    runs["delta"].append({"pause_to_continue_s": s, "server_s": server_s,
+                                          "publish_s": publish_s, "wire_bytes": wire})  # fmt: skip
                     last = (before, version_dir(root / "deltas", version))
                     state = step(state, fraction, gen)
                     version += 1
@@ -277,14 +283,10 @@ def main() -> None:
                     write_s = time.perf_counter() - t0
                     (ck / "config.json").write_text((root / "base" / "config.json").read_text())
                     body = {"model_path": str(ck), "weight_version": version}
-                    s = paused(
-                        http,
-                        lambda body=body: ok(http.post("/update_weights_from_disk", json=body)),
-                    )
+                    s, server_s = paused_call(http, "/update_weights_from_disk", body)
                     check_served(http, state)
-                    runs["full_disk"].append(
-                        {"pause_to_continue_s": s, "checkpoint_write_s": write_s}
-                    )
+                    runs["full_disk"].append({"pause_to_continue_s": s, "server_s": server_s,
+                                              "checkpoint_write_s": write_s})  # fmt: skip
                     state = step(state, fraction, gen)
                     version += 1
                     s = paused(
@@ -305,6 +307,8 @@ def main() -> None:
                     "delta_wire_bytes": wire,
                     "delta_wire_fraction_of_model": round(wire / nbytes, 4),
                     "pause_to_continue_s_median": p2c,
+                    "server_s_median": {k: med([r["server_s"] for r in runs[k]])
+                                        for k in ("delta", "full_disk")},  # fmt: skip
                     "delta_over_full_disk": round(p2c["delta"] / p2c["full_disk"], 2),
                     "delta_over_full_push": round(p2c["delta"] / p2c["full_push"], 2),
                     "publish_s_median": med([r["publish_s"] for r in runs["delta"]]),
