@@ -108,9 +108,15 @@ class DeltaSync(WeightSync):
         result.transport = "delta"
         new_path = Path(source)
         own = self.delta_dir is None
-        source_dir = self.delta_dir or Path(
-            tempfile.mkdtemp(prefix=".grctl-delta-", dir=new_path.resolve().parent)
-        )
+        try:
+            source_dir = self.delta_dir or Path(
+                tempfile.mkdtemp(prefix=".grctl-delta-", dir=new_path.resolve().parent)
+            )
+        except OSError as exc:
+            raise GrctlError(
+                f"--delta: cannot make a directory for the delta beside {str(new_path)!r}: {exc}",
+                hint="name one the servers can read with --delta-dir",
+            ) from exc
         try:
             source_dir.mkdir(parents=True, exist_ok=True)
             with Checkpoint(self.base) as base, Checkpoint(new_path) as new:

@@ -113,3 +113,14 @@ def test_delta_usage_errors_exit_2(env):
         assert out.returncode == 2, out.stdout + out.stderr
     out = grctl("push", "--checkpoint", str(base), "--delta-dir", str(root))
     assert out.returncode == 2 and "--delta-dir" in out.stderr
+
+
+def test_a_base_of_other_shapes_is_refused_before_any_pause(env):
+    root, base, servers = env
+    before = label(servers[0])
+    other = write_checkpoint(root / "one-layer", seed=4, num_hidden_layers=1)
+    out = grctl("push", "--checkpoint", str(base), "--delta", str(other), *urls(servers[:1]))
+    assert out.returncode == 1, out.stdout + out.stderr
+    text = " ".join((out.stdout + out.stderr).split())
+    assert "differ in tensors or shapes" in text and "refused before any pause" in text
+    assert label(servers[0]) == before
