@@ -87,34 +87,13 @@ def decode(
     name: str, encoding: str, payload: np.ndarray, base: np.ndarray, width: int = 1
 ) -> np.ndarray:
     """`base` (uint8, not modified) with one tensor's delta applied: a new array. `width`: the
-    served dtype's element size (a `sparse` delta's unit)."""
-    nbytes = base.size
-    if encoding == "xor":
-        if payload.size != nbytes:
-            raise ValidationError(
-                f"delta of {name!r} has {payload.size} bytes; an xor delta is as long as the "
-                f"served tensor ({nbytes} bytes in the served dtype)"
-            )
-        return np.bitwise_xor(base, payload)
-    w = width if encoding == "sparse" else 1
-    units = nbytes // w
-    if payload.size < 4:
-        raise ValidationError(f"{encoding} delta of {name!r} is shorter than its count")
-    count = int(payload[:4].view("<u4")[0])
-    if count > units or payload.size != 4 + (4 + w) * count:
-        raise ValidationError(
-            f"{encoding} delta of {name!r} is malformed: {payload.size} bytes for {count} "
-            f"positions (a count at most {units}, then 4 + {4 + w} * count bytes in all; "
-            f"{w}-byte values for the served dtype)"
-        )
-    pos = payload[4 : 4 + 4 * count].view("<u4")
-    if count and int(pos.max()) >= units:
-        raise ValidationError(
-            f"{encoding} delta of {name!r} writes position {int(pos.max())}; the served tensor "
-            f"has {units}"
-        )
+    served dtype's element size (a `sparse` delta's unit). The payload is checked by
+    delta_patch.parse, the in-place apply's own reading of it."""
+    patch = delta_patch.parse(name, encoding, payload, base.size, width)
+    if patch.xor is not None:
+        return np.bitwise_xor(base, patch.xor)
     out = base.copy()
-    _units(out, w, encoding)[pos] = _units(payload[4 + 4 * count :], w, encoding)
+    _units(out, patch.width, "sparse")[patch.pos] = patch.values
     return out
 
 
