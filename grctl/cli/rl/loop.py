@@ -22,11 +22,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rich import box
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from grctl.cli.rl.steps_table import steps_table
 from grctl.cli.rl.task import Task
 from grctl.cli.rl.trainer import DEFAULT_LR, Group, Sample, StepStats, Trainer, slate_metrics
 from grctl.client.http import GRClient
@@ -97,28 +97,21 @@ COLUMNS = ("step", "E\\[r]", "est.", "beam", "R@K", "NDCG", "KL ref", "|rho-1|",
 
 
 def step_table(rows: list[StepRow], total_steps: int) -> Table:
-    table = Table(
-        title=f"grctl demo --rl: {len(rows)}/{total_steps} steps",
-        title_justify="left",
-        box=box.SIMPLE_HEAD,
-        padding=(0, 1),
-    )
-    for col in COLUMNS:
-        table.add_column(col, justify="right", no_wrap=True)
-    for r in rows:
-        s = r.stats
-        table.add_row(
+    cells = (
+        (
             str(r.step),
             f"{r.exact_reward:.3f}",
-            f"{s.estimate:.3f}",
+            f"{r.stats.estimate:.3f}",
             f"{r.beam_reward:.3f}",
             f"{r.recall:.3f}",
             f"{r.ndcg:.3f}",
             f"{r.kl_ref:.3f}",
-            f"{s.first_ratio_gap:.0e}",
-            f"{s.ratio_min:.2f}-{s.ratio_max:.2f}",
+            f"{r.stats.first_ratio_gap:.0e}",
+            f"{r.stats.ratio_min:.2f}-{r.stats.ratio_max:.2f}",
         )
-    return table
+        for r in rows
+    )
+    return steps_table(f"grctl demo --rl: {len(rows)}/{total_steps} steps", COLUMNS, cells)
 
 
 def run_loop(

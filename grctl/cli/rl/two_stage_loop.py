@@ -27,11 +27,11 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
-from rich import box
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from grctl.cli.rl.steps_table import steps_table
 from grctl.cli.rl.two_stage_task import PAD, PREFIX, TwoStageTask, all_logprobs, exact, toy_model
 from grctl.client.http import GRClient
 from grctl.client.sync import WeightSync
@@ -223,16 +223,8 @@ COLUMNS = ("step", "E\\[r]", "est.", "beam", "hit", "KL ref", "|lp gap|")
 
 
 def step_table(rows: list[TwoStageRow], total_steps: int) -> Table:
-    table = Table(
-        title=f"grctl demo --rl --two-stage: {len(rows)}/{total_steps} steps",
-        title_justify="left",
-        box=box.SIMPLE_HEAD,
-        padding=(0, 1),
-    )
-    for col in COLUMNS:
-        table.add_column(col, justify="right", no_wrap=True)
-    for r in rows:
-        table.add_row(
+    cells = (
+        (
             str(r.step),
             f"{r.exact_reward:.3f}",
             f"{r.estimate:.3f}",
@@ -241,7 +233,10 @@ def step_table(rows: list[TwoStageRow], total_steps: int) -> Table:
             f"{r.kl_ref:.3f}",
             f"{r.max_token_gap:.0e}",
         )
-    return table
+        for r in rows
+    )
+    title = f"grctl demo --rl --two-stage: {len(rows)}/{total_steps} steps"
+    return steps_table(title, COLUMNS, cells)
 
 
 def run_two_stage_loop(
