@@ -40,7 +40,12 @@ def running_router(log_path, port: int | None = None):
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
-        wait_for(lambda: list_workers(url) == [], 60, f"router up ({log_path})")
+        # up = it answers its worker list; a replica already polling it may join at once, so
+        # the list need not be empty by the first answer
+        try:
+            wait_for(lambda: isinstance(list_workers(url), list), 60, "the router up")
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}; its log: {log_path.read_text()[-3000:]!r}") from None
         yield url
     finally:
         proc.terminate()
