@@ -3,9 +3,9 @@
 Chunks are independent: each is planned against the live model and copied on its own, with no
 buffering and no wait for a "last" chunk. An empty bucket or list is a successful no-op. The
 decoded tensors are views of the client's memory (CUDA IPC or shared memory): every reference is
-dropped before the reply, so the client may free or reuse its buffers at once. For a CPU model,
-shared-memory tensors are read from their segments with pread into the parameters, through the
-sink's read threads (grctl.weights.shm_reads), not through the mapping.
+dropped before the reply, so the client may free or reuse its buffers at once. Shared-memory
+tensors are read from their segments with pread (grctl.weights.shm_reads), not through the
+mapping: for a CPU model straight into the parameters, on the sink's read threads.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def update_from_tensor(
     by_name = dict(named)
     direct = load_format == "direct"  # direct: parameter names (fused) with exact shapes
     on_cpu = next(updater.model.parameters()).device.type == "cpu"
-    segments = SegmentReads(named) if on_cpu else None
+    segments = SegmentReads(named)
     try:
         return updater.run(
             lambda: apply.plan(
@@ -54,8 +54,8 @@ def update_from_tensor(
                 allow_fused=direct,
                 allow_split=not direct,
             ),
-            by_name.__getitem__,
-            read_into=segments.read_into if segments else None,
+            lambda name: segments.fetch(name, by_name[name]),
+            read_into=segments.read_into if on_cpu else None,
             weight_version=weight_version,
             token_step=token_step,
             flush_cache=flush_cache,
@@ -63,7 +63,6 @@ def update_from_tensor(
             catalog_path=catalog_path,
         )
     finally:
-        if segments is not None:
-            segments.close()
+        segments.close()
         named.clear()
         by_name.clear()

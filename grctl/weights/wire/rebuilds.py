@@ -132,9 +132,14 @@ def rebuild_storage_filename(cls, manager, handle, size, dtype=None):
     if not is_socket:
         raise _refuse(f"{describe(real)} is not a socket")
     check_segment(handle, SHM_HEADER + size, "shared-memory")
+    # a storage this process already holds (its own, when sender and server share a process)
+    # comes from torch's cache: not a mapping of this rebuild's own
+    cached = reductions.storage_from_cache(torch.UntypedStorage, handle) is not None
     storage = reductions.rebuild_storage_filename(torch.UntypedStorage, manager, handle, size)
     try:
         storage._grctl_segment = handle  # its name, for reads that bypass the mapping
+        if not cached:
+            storage._grctl_mapped_here = True  # its header may be taken private (shm_header)
     except AttributeError:  # a torch whose storages take no attributes: read through the map
         pass
     return storage
