@@ -53,7 +53,7 @@ class Metrics:
         )
         self.results = Counter(
             "gr_generate_results",
-            "Generation results handed out over HTTP, by finish reason.",
+            "Generation replies, by finish reason (a multi-stage request once, at its last stage).",
             ["finish_reason"],
             **kw,
         )
@@ -82,9 +82,14 @@ class Metrics:
 
     def observe_result(self, result: GenerateResult) -> None:
         """A result handed out over HTTP (/generate, /result): its end and engine latency."""
-        self.results.labels(finish_reason=result.finish_reason).inc()
-        self.latency.observe(result.latency_s)
-        self.e2e.labels(model_name=self.model_name, is_streaming="false").observe(result.latency_s)
+        self.observe(result.finish_reason, result.latency_s)
+
+    def observe(self, finish_reason: str, latency_s: float) -> None:
+        """One reply's end and latency: a one-stage result's, or a multi-stage request's
+        (counted once, when its last stage ends, its latency over all of its stages)."""
+        self.results.labels(finish_reason=finish_reason).inc()
+        self.latency.observe(latency_s)
+        self.e2e.labels(model_name=self.model_name, is_streaming="false").observe(latency_s)
 
     def render(self) -> str:
         return generate_latest(self.registry).decode()

@@ -134,4 +134,8 @@ def compute_staged(
         replies[req.request_id] = one_beam(
             whole, req.request_id, gid, req.group_index, req.items.width
         )
-    return [replies[r.request_id] for r in reqs]
+    out = [replies[r.request_id] for r in reqs]
+    for reply in out:
+        meta = reply.meta_info
+        state.metrics.observe(meta.finish_reason.type, meta.e2e_latency or 0.0)
+    return out

@@ -488,3 +488,36 @@ def test_bad_multi_stage_completions_are_400(served, kw, says):
     http, _ = served
     r = http.post("/v1/completions", json=completion_body(**kw))
     assert r.status_code == 400 and says in r.text, r.text
+
+
+def results_counted(http) -> dict[tuple[str, str], float]:
+    """/metrics' gr_generate_results_total and e2e-latency count, parsed with
+    prometheus_client's own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    got: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        for s in family.samples:
+            if s.name == "gr_generate_results_total":
+                got[("results", s.labels["finish_reason"])] = s.value
+            elif s.name == "sglang:e2e_request_latency_seconds_count":
+                got[("e2e", "")] = s.value
+    return got
+
+
+def test_a_multi_stage_reply_counts_once_in_metrics(served):
+    """Each reply counts once under its finish reason, when its last stage ends, through
+    /generate and through /submit alike (its stages are engine requests of their own, but the
+    client sees one reply)."""
+    http, _ = served
+    before = results_counted(http)
+    one = generated(http, body())
+    r = http.post("/submit", json={**body(), "rid": "st-metrics"})
+    assert r.status_code == 202, r.text
+    two = fetched(http, "st-metrics")
+    after = results_counted(http)
+    ends = [one["meta_info"]["finish_reason"]["type"], two["meta_info"]["finish_reason"]["type"]]
+    for end in set(ends):
+        key = ("results", end)
+        assert after[key] - before.get(key, 0.0) == ends.count(end), (before, after)
+    assert after[("e2e", "")] - before.get(("e2e", ""), 0.0) == 2
